@@ -1,0 +1,165 @@
+"""Hardware-aware cost model of a speculative round and the cost-aware speedup ``S(y)``.
+
+Times are stored as ratios to one plain target decoding step (``t_t = 1``): absolute times are not
+portable between machines, ratios mostly are, and ``S(y)`` only depends on ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .utils import crop_cache
+
+COST_MODEL_FILE = "ppow_cost_model.json"
+
+
+@dataclass
+class CostModel:
+    """Relative costs of a speculative round.
+
+    Args:
+        drafter_cost (`float`): ``t_d / t_t``, drafter time per drafted token over one target step.
+        verify_cost (`list[float]`): ``t_v(L) / t_t`` for ``L = 0, 1, ..., K``: the target forward over
+            ``L + 1`` tokens with a KV cache. ``verify_cost[0]`` is 1 by definition (``t_v(0) = t_t``).
+            Lengths past the list are extrapolated linearly from its last two entries.
+        description (`str`): where the figures come from (machine, dtype, models); informational.
+    """
+
+    drafter_cost: float
+    verify_cost: list[float]
+    description: str = ""
+    raw_seconds: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.drafter_cost < 0 or not self.verify_cost or any(c <= 0 for c in self.verify_cost):
+            raise ValueError(
+                f"Invalid cost model: drafter_cost={self.drafter_cost}, verify_cost={self.verify_cost}. Costs are "
+                "ratios to one target step: drafter_cost >= 0 and a non-empty list of positive verify costs."
+            )
+
+    @classmethod
+    def from_seconds(cls, target_step: float, drafter_step: float, verify: list[float], description: str = "") -> "CostModel":
+        """Build from measured seconds (``t_t``, ``t_d``, ``[t_v(0), t_v(1), ...]``), stored as ratios."""
+        return cls(
+            drafter_cost=drafter_step / target_step,
+            verify_cost=[1.0] + [t / target_step for t in verify[1:]],
+            description=description,
+            raw_seconds={"target_step": target_step, "drafter_step": drafter_step, "verify": list(verify)},
+        )
+
+    def verify_time(self, window_length: torch.Tensor) -> torch.Tensor:
+        """``t_v(L) / t_t`` for a tensor of window lengths (linear extrapolation past the table)."""
+        table = torch.tensor(self.verify_cost, dtype=torch.float32, device=window_length.device)
+        last = len(self.verify_cost) - 1
+        slope = (table[-1] - table[-2]) if last >= 1 else table.new_tensor(0.0)
+        inside = table[window_length.long().clamp(0, last)]
+        return torch.where(window_length > last, table[-1] + slope * (window_length.float() - last), inside)
+
+    def round_time(self, window_length: torch.Tensor) -> torch.Tensor:
+        """Time of one round relative to a target step: ``L * t_d + t_v(L)``."""
+        return window_length.float() * self.drafter_cost + self.verify_time(window_length)
+
+    def save_pretrained(self, folder: str | Path) -> Path:
+        path = Path(folder) / COST_MODEL_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+        return path
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> "CostModel":
+        path = Path(folder) / COST_MODEL_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"No {COST_MODEL_FILE} in {folder}: calibrate one with ppow_trl.calibrate_cost_model.")
+        return cls(**json.loads(path.read_text()))
+
+
+def speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_model: CostModel) -> torch.Tensor:
+    """Cost-aware speedup of one round: ``S(y) = (E[A|y] + 1) * t_t / (L * t_d + t_v(L))``.
+
+    The numerator counts the tokens the round yields (accepted + correction/bonus); the denominator
+    is its time in target steps, so ``S = 1`` means as fast as plain decoding. Greedy training may
+    pass the realised ``A`` as ``expected_accepted``. Empty windows (``L = 0``) give ``S = 1``.
+    """
+    return (expected_accepted.float() + 1.0) / cost_model.round_time(window_length)
+
+
+def overall_speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_model: CostModel) -> torch.Tensor:
+    """Speedup of many rounds together: tokens per unit time, ``sum(E[A]+1) / sum(L t_d + t_v(L))``.
+
+    This (a ratio of sums) is what a decoding run measures; the mean of per-round ``S`` is not.
+    """
+    return (expected_accepted.float() + 1.0).sum() / cost_model.round_time(window_length).sum()
+
+
+def _median_seconds(fn, repeats: int, warmup: int, device: torch.device) -> float:
+    """Median wall-clock seconds of ``fn()`` after ``warmup`` untimed calls."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _cached_step_seconds(model, context_ids: torch.Tensor, num_new: int, repeats: int, warmup: int) -> float:
+    """Median time of one forward over ``num_new`` tokens on top of a KV cache of ``context_ids``."""
+    device = context_ids.device
+    with torch.inference_mode():
+        cache = model(context_ids, use_cache=True).cache
+        context_length = context_ids.shape[1]
+        new_ids = context_ids[:, -num_new:] if num_new <= context_length else context_ids[:, :1].repeat(1, num_new)
+
+        def step():
+            model(new_ids, cache=cache, use_cache=True)
+            crop_cache(cache, context_length)  # back to the shared context: every repeat times the same step
+
+        return _median_seconds(step, repeats, warmup, device)
+
+
+def calibrate_cost_model(
+    target,
+    drafter,
+    max_window: int,
+    *,
+    context_ids: torch.Tensor | None = None,
+    context_length: int = 128,
+    repeats: int = 15,
+    warmup: int = 3,
+    seed: int = 0,
+) -> CostModel:
+    """Measure ``t_t``, ``t_d`` and ``t_v(L)`` for ``L = 0..max_window`` on the machine at hand.
+
+    Every figure is the median of ``repeats`` timed forwards after ``warmup`` untimed ones, each
+    on top of a KV cache of the same context (a realistic decode state), with the cache cropped back
+    after each forward. ``t_d`` is one drafter forward of one token with its own cache (the
+    drafter drafts token by token). Time the models in the dtype and device you will decode with.
+    """
+    if max_window < 1:
+        raise ValueError(f"max_window must be >= 1, got {max_window}.")
+    device = next(target.parameters()).device
+    if context_ids is None:
+        generator = torch.Generator().manual_seed(seed)
+        vocab = min(target.config.vocab_size, drafter.config.vocab_size)
+        context_ids = torch.randint(0, vocab, (1, context_length), generator=generator)
+    context_ids = context_ids.to(device)
+    verify = [_cached_step_seconds(target, context_ids, length + 1, repeats, warmup) for length in range(max_window + 1)]
+    drafter_step = _cached_step_seconds(drafter, context_ids.to(next(drafter.parameters()).device), 1, repeats, warmup)
+    description = (
+        f"{platform.machine()} {device.type} torch {torch.__version__} threads {torch.get_num_threads()}; "
+        f"target {target.config._name_or_path or target.config.model_type} {next(target.parameters()).dtype}; "
+        f"drafter {drafter.config._name_or_path or drafter.config.model_type}; context {context_ids.shape[1]} tokens; "
+        f"median of {repeats}"
+    )
+    return CostModel.from_seconds(verify[0], drafter_step, verify, description=description)

