@@ -78,7 +78,9 @@ def draft_windows(
     cache = None
     step_ids = ids
     for step in range(policy.max_window):
-        out = drafter(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        # logits_to_keep=1: the prefill would otherwise build (B, T, V) logits for every context position
+        out = drafter(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                      logits_to_keep=1)
         cache = out.cache
         logits = out.logits[:, -1, :vocab_size] if vocab_size else out.logits[:, -1]
         q = probabilities_from_logits(logits, temperature)

@@ -1,0 +1,295 @@
+"""Prompt loaders, target-response regeneration, top-k distillation data and their resumable cache."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from datasets import Dataset
+
+from ppow_trl import data
+from ppow_trl.data import (
+    build_target_responses,
+    compute_target_topk,
+    encode_prompt,
+    load_mtbench,
+    load_prompts,
+    load_prompts_jsonl,
+    load_sharegpt,
+    recover_json_records,
+    sharegpt_prompts_from_file,
+    truncate_at_stop,
+)
+
+
+def _chat(human: str) -> list[dict[str, str]]:
+    return [{"from": "human", "value": human}, {"from": "gpt", "value": "answer"}]
+
+
+def _tiny_prompts(lengths=(3, 1, 7, 2, 5, 4, 6, 1, 2, 3)) -> Dataset:
+    """Prompts of different lengths, so that every batch really needs padding."""
+    rows = [
+        {"id": f"p{i}", "messages": [{"role": "user", "content": " ".join(f"w{(i * 7 + j) % 56}" for j in range(n))}]}
+        for i, n in enumerate(lengths)
+    ]
+    return Dataset.from_list(rows)
+
+
+@pytest.fixture
+def target():
+    """A tiny target whose greedy outputs vary and sometimes stop early (the default init repeats one token)."""
+    return make_tiny_llama(num_layers=4, seed=0, initializer_range=0.5)
+
+
+class CountingGenerate:
+    """Wraps a model's `generate` to count calls and optionally fail at call number `fail_at`."""
+
+    def __init__(self, model, fail_at: int | None = None):
+        self.generate, self.fail_at, self.calls = model.generate, fail_at, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("simulated interruption")
+        return self.generate(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------- ShareGPT
+
+
+def test_recover_json_records_drops_the_partial_record(tmp_path):
+    records = [{"id": f"r{i}", "conversations": _chat(f"question {i}")} for i in range(3)]
+    text = json.dumps(records, indent=2)
+    path = tmp_path / "truncated.json"
+
+    path.write_text(text[: text.index('"r2"') + 20])  # cut inside the third record
+    assert recover_json_records(path) == records[:2]
+
+    path.write_text(text[: text.index('"r2"') - 10])  # cut between two records, after the comma
+    assert recover_json_records(path) == records[:2]
+
+    path.write_text(text)  # a complete file is read entirely
+    assert recover_json_records(path) == records
+
+
+def test_sharegpt_keeps_only_records_starting_with_a_human_turn(tmp_path):
+    records = [
+        {"id": "a", "conversations": _chat("first")},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "hi"}]},
+        {"id": "c", "conversations": _chat("   ")},
+        {"id": "d", "conversations": []},
+        {"id": "e", "conversations": [{"from": "system", "value": "be nice"}] + _chat("x")},
+        {"id": "f", "conversations": _chat("second")},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records)[:-1])  # truncated: no closing bracket
+    prompts = sharegpt_prompts_from_file(path)
+    assert prompts["id"] == ["a", "f"]
+    assert prompts[1]["messages"] == [{"role": "user", "content": "second"}]
+
+
+def test_load_sharegpt_real_file_splits_and_cache(tmp_path):
+    start = time.perf_counter()
+    train = load_sharegpt("train", cache_dir=tmp_path)
+    first_call = time.perf_counter() - start
+    start = time.perf_counter()
+    test = load_sharegpt("test", cache_dir=tmp_path)
+    second_call = time.perf_counter() - start
+
+    assert len(test) == data.SHAREGPT_TEST_SIZE
+    assert 10_500 <= len(train) + len(test) <= 11_500  # ~11,137 usable of ~17,671 recovered records
+    assert not set(train["id"]) & set(test["id"])
+    assert all(messages[-1]["role"] == "user" and messages[-1]["content"].strip() for messages in test["messages"])
+    assert len(list(tmp_path.glob("sharegpt-*"))) == 1
+    assert second_call < first_call  # parsed once, then loaded from the cache
+
+    subset = load_sharegpt("train", num_samples=20, seed=1, cache_dir=tmp_path)
+    assert subset["id"] == load_sharegpt("train", num_samples=20, seed=1, cache_dir=tmp_path)["id"]
+    assert set(subset["id"]) <= set(train["id"])
+    with pytest.raises(ValueError, match="split"):
+        load_sharegpt("validation", cache_dir=tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- MT-bench, JSONL
+
+
+def test_load_mtbench_has_80_questions_in_8_categories():
+    questions = load_mtbench()
+    assert len(questions) == 80 and len(set(questions["id"])) == 80
+    categories = questions["category"]
+    assert len(set(categories)) == 8 and all(categories.count(c) == 10 for c in set(categories))
+    assert questions[0]["id"] == "81" and questions[0]["messages"][0]["role"] == "user"
+    assert load_mtbench(num_samples=2)["id"] == questions["id"][:2]
+
+
+def test_load_prompts_jsonl_formats_and_errors(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [
+        {"prompt": "hello"},
+        {},
+        {"id": "chat", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                    {"role": "assistant", "content": "reference answer"}]},
+    ]
+    path.write_text("\n".join([json.dumps(lines[0]), "", json.dumps(lines[2])]) + "\n")
+    prompts = load_prompts_jsonl(path)
+    assert prompts["id"] == ["1", "chat"]
+    assert prompts[0]["messages"] == [{"role": "user", "content": "hello"}]
+    # The trailing reference answer is dropped: the target writes its own.
+    assert prompts[1]["messages"] == [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert load_prompts(str(path))["id"] == prompts["id"]
+
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_prompts_jsonl(tmp_path / "missing.jsonl")
+    path.write_text(json.dumps(lines[0]) + "\n" + json.dumps({"text": "no prompt field"}) + "\n")
+    with pytest.raises(ValueError, match="line 2.*'prompt' string or a 'messages' list"):
+        load_prompts_jsonl(path)
+    path.write_text('{"prompt": "unfinished\n')
+    with pytest.raises(ValueError, match="line 1: invalid JSON"):
+        load_prompts_jsonl(path)
+
+
+def test_load_prompts_dispatches():
+    assert len(load_prompts("mtbench")) == 80
+    assert load_prompts("mtbench", num_samples=3)["id"] == ["81", "82", "83"]
+    with pytest.raises(ValueError, match="Unknown prompt source"):
+        load_prompts("alpaca")
+
+
+# ------------------------------------------------------------------------------------------- target responses
+
+
+def _greedy_single(target, tokenizer, messages, max_new_tokens):
+    """Reference: one unpadded prompt through `generate`, cut after the first eos."""
+    prompt = torch.tensor([encode_prompt(tokenizer, messages)])
+    output = target.generate(
+        input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return truncate_at_stop(output[0, prompt.shape[1]:].tolist(), [tokenizer.eos_token_id])
+
+
+def test_greedy_batched_responses_equal_unbatched_generate(target, tiny_tokenizer):
+    prompts = _tiny_prompts()
+    responses = build_target_responses(target, tiny_tokenizer, prompts, max_new_tokens=8, batch_size=3, chunk_size=4)
+    lengths = [len(ids) for ids in responses["response_ids"]]
+    assert min(lengths) < 8 == max(lengths)  # some responses stop at eos, then get padded inside their batch
+    assert responses["id"] == prompts["id"]
+    assert tiny_tokenizer.padding_side == "right"  # the caller's tokenizer is left alone
+    eos = tiny_tokenizer.eos_token_id
+    for row in responses:
+        assert row["prompt_ids"] == encode_prompt(tiny_tokenizer, row["messages"])
+        assert row["response_ids"] == _greedy_single(target, tiny_tokenizer, row["messages"], 8)
+        assert 1 <= len(row["response_ids"]) <= 8 and eos not in row["response_ids"][:-1]
+
+
+def test_long_prompts_are_dropped(target, tiny_tokenizer):
+    prompts = _tiny_prompts(lengths=(2, 30, 3))
+    responses = build_target_responses(target, tiny_tokenizer, prompts, max_new_tokens=2, max_prompt_length=20)
+    assert responses["id"] == ["p0", "p2"]
+
+
+def test_sampled_responses_are_deterministic_for_a_seed(target, tiny_tokenizer):
+    prompts = _tiny_prompts()
+    kwargs = dict(max_new_tokens=8, batch_size=2, chunk_size=4, do_sample=True)
+    rng_state = torch.random.get_rng_state()
+    runs = [build_target_responses(target, tiny_tokenizer, prompts, seed=seed, **kwargs) for seed in (1, 1, 2)]
+    assert torch.equal(rng_state, torch.random.get_rng_state())  # the caller's random stream is untouched
+    assert runs[0]["response_ids"] == runs[1]["response_ids"] != runs[2]["response_ids"]
+
+
+def test_responses_resume_after_interruption(target, tiny_tokenizer, tmp_path, monkeypatch):
+    prompts = _tiny_prompts()  # 10 prompts: chunks of 4, 4, 2 -> 2 + 2 + 1 generate calls
+    kwargs = dict(max_new_tokens=6, batch_size=2, chunk_size=4, do_sample=True, seed=3)
+    expected = build_target_responses(target, tiny_tokenizer, prompts, **kwargs)  # uncached, uninterrupted
+
+    monkeypatch.setattr(target, "generate", CountingGenerate(target, fail_at=3))
+    with pytest.raises(RuntimeError, match="simulated interruption"):
+        build_target_responses(target, tiny_tokenizer, prompts, cache_dir=tmp_path, **kwargs)
+    (folder,) = tmp_path.glob("responses-*")
+    assert sorted(path.name for path in folder.iterdir()) == ["manifest.json", "shard-00000"]
+
+    counter = CountingGenerate(target)
+    monkeypatch.setattr(target, "generate", counter)
+    resumed = build_target_responses(target, tiny_tokenizer, prompts, cache_dir=tmp_path, **kwargs)
+    assert counter.calls == 3  # chunk 0 came from its shard
+    assert resumed.to_list() == expected.to_list()
+
+    counter.calls = 0
+    again = build_target_responses(target, tiny_tokenizer, prompts, cache_dir=tmp_path, **kwargs)
+    assert again.to_list() == expected.to_list() and counter.calls == 0  # everything cached
+
+    # Other settings: another folder, everything recomputed.
+    other = build_target_responses(
+        target, tiny_tokenizer, prompts, cache_dir=tmp_path, **{**kwargs, "max_new_tokens": 4}
+    )
+    assert counter.calls == 5 and len(list(tmp_path.glob("responses-*"))) == 2
+    assert all(len(ids) <= 4 for ids in other["response_ids"])
+
+
+def test_cache_with_a_mismatching_manifest_is_refused(target, tiny_tokenizer, tmp_path):
+    prompts = _tiny_prompts(lengths=(2, 3))
+    build_target_responses(target, tiny_tokenizer, prompts, max_new_tokens=2, cache_dir=tmp_path)
+    (manifest,) = tmp_path.glob("responses-*/manifest.json")
+    content = json.loads(manifest.read_text())
+    content["settings"]["batch_size"] = 99
+    manifest.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match="other settings"):
+        build_target_responses(target, tiny_tokenizer, prompts, max_new_tokens=2, cache_dir=tmp_path)
+
+
+def test_model_fingerprint_sees_weights(target):
+    before = data.model_fingerprint(target)
+    with torch.no_grad():
+        target.lm_head.weight[0, 0] += 1.0
+    assert data.model_fingerprint(target)["weights"] != before["weights"]
+
+
+# ------------------------------------------------------------------------------------------------ top-k
+
+
+def test_topk_equals_single_example_forward(target, tiny_tokenizer, tmp_path):
+    responses = build_target_responses(target, tiny_tokenizer, _tiny_prompts(), max_new_tokens=6, batch_size=4)
+    topk = compute_target_topk(target, responses, top_k=5, batch_size=3, chunk_size=4, cache_dir=tmp_path)
+    assert topk["id"] == responses["id"]
+    for row in topk:
+        prompt, response = row["prompt_ids"], row["response_ids"]
+        with torch.no_grad():
+            logits = target(input_ids=torch.tensor([prompt + response])).logits[0]
+        logprobs = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(response)], dim=-1)
+        values, ids = logprobs.topk(5, dim=-1)
+        assert len(row["topk_ids"]) == len(row["topk_logprobs"]) == len(response)
+        assert torch.equal(torch.tensor(row["topk_ids"]), ids)
+        torch.testing.assert_close(torch.tensor(row["topk_logprobs"]), values, atol=1e-5, rtol=1e-5)
+        # Greedy responses: row t's best token is response token t (the rows are aligned).
+        assert [candidates[0] for candidates in row["topk_ids"]] == response
+
+    cached = compute_target_topk(target, responses, top_k=5, batch_size=3, chunk_size=4, cache_dir=tmp_path)
+    assert cached.to_list() == topk.to_list()
+    assert len(list(tmp_path.glob("topk-*/shard-*"))) == 3
+
+
+# ------------------------------------------------------------------------------------------------ SmolLM2
+
+
+@pytest.mark.slow
+def test_smollm2_regenerates_mtbench_responses():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ppow_trl.offline import smollm2_path
+
+    folder = smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    target = AutoModelForCausalLM.from_pretrained(folder)
+    prompts = load_mtbench(num_samples=2)
+    responses = build_target_responses(target, tokenizer, prompts, max_new_tokens=16, batch_size=2)
+    assert tokenizer.padding_side == "right"
+    for row in responses:
+        assert 1 <= len(row["response_ids"]) <= 16
+        assert tokenizer.decode(row["response_ids"], skip_special_tokens=True).strip()
+        assert row["response_ids"] == _greedy_single(target, tokenizer, row["messages"], 16)
+    topk = compute_target_topk(target, responses, top_k=4, batch_size=2)
+    for row in topk:
+        assert [candidates[0] for candidates in row["topk_ids"]] == row["response_ids"]
