@@ -98,34 +98,38 @@ def overall_speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor
     return (expected_accepted.float() + 1.0).sum() / cost_model.round_time(window_length).sum()
 
 
-def _median_seconds(fn, repeats: int, warmup: int, device: torch.device) -> float:
-    """Median wall-clock seconds of ``fn()`` after ``warmup`` untimed calls."""
+def _interleaved_medians(steps: dict, repeats: int, warmup: int, device: torch.device) -> dict:
+    """Median seconds of each ``steps[name]()``, timed round-robin so that machine load hits all alike.
+
+    Timing one workload after another lets a burst of load on a shared machine land on a single
+    ``L`` (we saw ``t_v(2) > t_v(3)`` that way); interleaving spreads it over every workload.
+    """
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
-        fn()
-    synchronize()
-    times = []
+        for step in steps.values():
+            step()
+    times = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, step in steps.items():
+            synchronize()
+            start = time.perf_counter()
+            step()
+            synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _cached_step_seconds(model, context_ids: torch.Tensor, num_new: int, repeats: int, warmup: int) -> float:
-    """Median time of one forward over ``num_new`` tokens on top of a KV cache of ``context_ids``."""
-    device = context_ids.device
-    with torch.inference_mode():
-        cache = model(context_ids, use_cache=True).cache
-        context_length = context_ids.shape[1]
-        new_ids = context_ids[:, -num_new:] if num_new <= context_length else context_ids[:, :1].repeat(1, num_new)
+def _cached_step(model, context_ids: torch.Tensor, num_new: int):
+    """A callable running one forward over ``num_new`` tokens on top of a KV cache of ``context_ids``."""
+    cache = model(context_ids, use_cache=True).cache
+    context_length = context_ids.shape[1]
+    new_ids = context_ids[:, -num_new:] if num_new <= context_length else context_ids[:, :1].repeat(1, num_new)
 
-        def step():
-            model(new_ids, cache=cache, use_cache=True)
-            crop_cache(cache, context_length)  # back to the shared context: every repeat times the same step
+    def step():
+        model(new_ids, cache=cache, use_cache=True, logits_to_keep=num_new)
+        crop_cache(cache, context_length)  # back to the shared context: every repeat times the same step
 
-        return _median_seconds(step, repeats, warmup, device)
+    return step
 
 
 def calibrate_cost_model(
@@ -141,9 +145,9 @@ def calibrate_cost_model(
 ) -> CostModel:
     """Measure ``t_t``, ``t_d`` and ``t_v(L)`` for ``L = 0..max_window`` on the machine at hand.
 
-    Every figure is the median of ``repeats`` timed forwards after ``warmup`` untimed ones, each
-    on top of a KV cache of the same context (a realistic decode state), with the cache cropped back
-    after each forward. ``t_d`` is one drafter forward of one token with its own cache (the
+    Every figure is the median of ``repeats`` timed forwards after ``warmup`` untimed ones, timed
+    round-robin across workloads, each on top of a KV cache of the same context (a realistic decode
+    state) with the cache cropped back after each forward. ``t_d`` is one drafter forward of one token with its own cache (the
     drafter drafts token by token). Time the models in the dtype and device you will decode with.
     """
     if max_window < 1:
@@ -154,8 +158,12 @@ def calibrate_cost_model(
         vocab = min(target.config.vocab_size, drafter.config.vocab_size)
         context_ids = torch.randint(0, vocab, (1, context_length), generator=generator)
     context_ids = context_ids.to(device)
-    verify = [_cached_step_seconds(target, context_ids, length + 1, repeats, warmup) for length in range(max_window + 1)]
-    drafter_step = _cached_step_seconds(drafter, context_ids.to(next(drafter.parameters()).device), 1, repeats, warmup)
+    with torch.inference_mode():
+        steps = {length: _cached_step(target, context_ids, length + 1) for length in range(max_window + 1)}
+        steps["drafter"] = _cached_step(drafter, context_ids.to(next(drafter.parameters()).device), 1)
+        seconds = _interleaved_medians(steps, repeats, warmup, device)
+    verify = [seconds[length] for length in range(max_window + 1)]
+    drafter_step = seconds["drafter"]
     description = (
         f"{platform.machine()} {device.type} torch {torch.__version__} threads {torch.get_num_threads()}; "
         f"target {target.config._name_or_path or target.config.model_type} {next(target.parameters()).dtype}; "
