@@ -71,7 +71,7 @@ def main():
         for key, v in samples.items()
     }
     result = {
-        "command": "python benchmarks/threads.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "command": "python benchmarks/threads.py --threads " + " ".join(map(str, args.threads)) + f" --rounds {args.rounds} --out {args.out}",
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "precision": "fp32",
         "rounds": args.rounds,
