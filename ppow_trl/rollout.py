@@ -52,6 +52,25 @@ class DraftedWindows:
         return drafter_confidence(self.drafter_probs)
 
 
+def _prefill(model, contexts, pad_id, num_samples_per_context):
+    """One forward over the left-padded contexts; its KV cache is then shared by ``G`` samples of each.
+
+    Returns the last-position logits, the cache, the attention mask and the last position ids, all
+    repeated ``G`` times along the batch (rows ``g*G .. g*G + G-1`` belong to context ``g``).
+    """
+    device = next(model.parameters()).device
+    ids, mask = left_pad(contexts, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    positions = positions_from_mask(mask)
+    # logits_to_keep=1: the prefill would otherwise build (B, T, V) logits for every context position
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    cache, logits = out.cache, out.logits[:, -1]
+    if num_samples_per_context > 1:
+        cache.batch_repeat_interleave(num_samples_per_context)
+        logits, mask, positions = (t.repeat_interleave(num_samples_per_context, dim=0) for t in (logits, mask, positions))
+    return logits, cache, mask, positions[:, -1:]
+
+
 @torch.no_grad()
 def draft_windows(
     drafter,
@@ -62,38 +81,32 @@ def draft_windows(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     generator: torch.Generator | None = None,
+    num_samples_per_context: int = 1,
 ) -> DraftedWindows:
     """Draft up to ``policy.max_window`` tokens after each context (drafter KV cache, one token per step).
 
-    ``temperature = 0`` drafts greedily. Rows keep drafting as a batch until every row's policy has
-    stopped (or ``K`` is reached); the mask keeps the prefix the policy chose, which is what a
-    row drafting alone would have proposed.
+    ``temperature = 0`` drafts greedily. With ``num_samples_per_context = G`` each context is prefilled
+    once and ``G`` windows are sampled from the shared cache (GRPO's group); rows are ordered context
+    by context. Rows keep drafting as a batch until every row's policy has stopped (or ``K`` is
+    reached); the mask keeps the prefix the policy chose, which is what a row drafting alone would
+    have proposed.
     """
-    device = next(drafter.parameters()).device
-    ids, mask = left_pad(contexts, pad_id)
-    ids, mask = ids.to(device), mask.to(device)
-    positions = positions_from_mask(mask)
-    tokens, probs, running = [], [], torch.ones(len(contexts), device=device)
-    active = torch.ones(len(contexts), dtype=torch.bool, device=device)
-    cache = None
-    step_ids = ids
+    logits, cache, mask, last_position = _prefill(drafter, contexts, pad_id, num_samples_per_context)
+    tokens, probs = [], []
+    running = torch.ones(logits.shape[0], device=logits.device)
     for step in range(policy.max_window):
-        # logits_to_keep=1: the prefill would otherwise build (B, T, V) logits for every context position
-        out = drafter(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                      logits_to_keep=1)
-        cache = out.cache
-        logits = out.logits[:, -1, :vocab_size] if vocab_size else out.logits[:, -1]
-        q = probabilities_from_logits(logits, temperature)
+        q = probabilities_from_logits(logits[..., :vocab_size] if vocab_size else logits, temperature)
         token = torch.multinomial(q, 1, generator=generator).squeeze(-1) if temperature > 0 else q.argmax(-1)
         tokens.append(token)
         probs.append(q)
         running = running * drafter_confidence(q)
-        active = active & policy.keep_drafting(running, step + 1)
-        if not active.any():
+        if not policy.keep_drafting(running, step + 1).any():
             break
-        step_ids = token.unsqueeze(-1)
-        mask = torch.cat([mask, mask.new_ones(len(contexts), 1)], dim=-1)
-        positions = positions[:, -1:] + 1
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        last_position = last_position + 1
+        out = drafter(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=last_position, cache=cache,
+                      use_cache=True)
+        logits = out.logits[:, -1]
     window_ids = torch.stack(tokens, dim=1)
     drafter_probs = torch.stack(probs, dim=1)
     window_mask = lengths_to_mask(policy.window_lengths(drafter_confidence(drafter_probs)), window_ids.shape[1])
@@ -109,17 +122,23 @@ def target_window_probs(
     pad_id: int = 0,
     temperature: float = 1.0,
     vocab_size: int | None = None,
+    num_samples_per_context: int = 1,
 ) -> torch.Tensor:
-    """``p_i = p(. | c, y_<i)`` for ``i = 1..K+1`` from one target forward over ``c + y``. ``(B, K + 1, V)``.
+    """``p_i = p(. | c, y_<i)`` for ``i = 1..K+1``: the target's verification of each window. ``(B, K + 1, V)``.
 
-    Padded window slots are scored too (cheap, and masked out later by the verification functions).
+    The context is prefilled once (its last position gives ``p_1``) and its KV cache is shared by the
+    ``G = num_samples_per_context`` windows drafted after it; one more forward over the windows gives
+    ``p_2..p_{K+1}``. Padded window slots are scored too (cheap; masked out by the verification functions).
     """
-    device = next(target.parameters()).device
-    ids, mask = left_pad(contexts, pad_id)
-    full = torch.cat([ids.to(device), window_ids.to(device)], dim=1)
-    full_mask = torch.cat([mask.to(device), torch.ones_like(window_ids, device=device)], dim=1)
+    first_logits, cache, mask, last_position = _prefill(target, contexts, pad_id, num_samples_per_context)
+    window_ids = window_ids.to(first_logits.device)
+    if window_ids.shape[0] != first_logits.shape[0]:
+        raise ValueError(
+            f"{window_ids.shape[0]} windows for {len(contexts)} contexts x {num_samples_per_context} samples each."
+        )
     max_window = window_ids.shape[1]
-    out = target(input_ids=full, attention_mask=full_mask, position_ids=positions_from_mask(full_mask),
-                 logits_to_keep=max_window + 1)
-    logits = out.logits[..., :vocab_size] if vocab_size else out.logits
-    return probabilities_from_logits(logits, temperature)
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], max_window)], dim=-1)
+    positions = last_position + 1 + torch.arange(max_window, device=window_ids.device)
+    out = target(input_ids=window_ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True)
+    logits = torch.cat([first_logits.unsqueeze(1), out.logits], dim=1)
+    return probabilities_from_logits(logits[..., :vocab_size] if vocab_size else logits, temperature)

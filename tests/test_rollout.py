@@ -65,3 +65,21 @@ def test_empty_context_is_rejected():
         left_pad([torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)], 0)
     with pytest.raises(ValueError, match="No contexts"):
         left_pad([], 0)
+
+
+def test_shared_context_cache_equals_repeated_contexts(tiny_target, tiny_drafter):
+    """G windows per context from one prefill (KV reuse) equal G separate copies of the context."""
+    contexts = random_contexts(5, count=3)
+    group = 4
+    policy = AdaptiveWindowPolicy(max_window=3)
+    shared = draft_windows(tiny_drafter, contexts, policy, num_samples_per_context=group,
+                           generator=torch.Generator().manual_seed(0))
+    repeated_contexts = [c for c in contexts for _ in range(group)]
+    repeated = draft_windows(tiny_drafter, repeated_contexts, policy, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(shared.window_ids, repeated.window_ids)
+    assert torch.allclose(shared.drafter_probs, repeated.drafter_probs, atol=1e-5)
+    p_shared = target_window_probs(tiny_target, contexts, shared.window_ids, num_samples_per_context=group)
+    p_repeated = target_window_probs(tiny_target, repeated_contexts, shared.window_ids)
+    assert torch.allclose(p_shared, p_repeated, atol=1e-5)
+    with pytest.raises(ValueError, match="windows for"):
+        target_window_probs(tiny_target, contexts, shared.window_ids)
