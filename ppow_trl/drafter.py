@@ -182,6 +182,17 @@ class PPOWDrafterForCausalLM(PreTrainedModel, GenerationMixin):
             "`PPOWDrafterForCausalLM.from_causal_lm` instead."
         )
 
+    def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the draft head for target token ids; -100 (ignored label) for ids outside the draft vocabulary.
+
+        TRL's fused LM head scores labels against `get_output_embeddings()` (our reduced head), so labels
+        in target ids must be mapped to draft rows first (see PPOWTrainer). -100 stays -100.
+        """
+        ids = self.draft_vocab_ids
+        rows = torch.searchsorted(ids, token_ids.clamp_min(0)).clamp(max=len(ids) - 1)
+        inside = (ids[rows] == token_ids) & (token_ids >= 0)
+        return torch.where(inside, rows, torch.full_like(rows, -100))
+
     def to_full_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Scatter `(..., draft_vocab_size)` scores into `(..., full_vocab_size)`, `-inf` elsewhere (module doc)."""
         shape = (*draft_logits.shape[:-1], self.config.full_vocab_size)

@@ -1,0 +1,161 @@
+"""Configuration of PPOWTrainer (TRL style: a GRPOConfig subclass, every field documented)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig
+
+from .models import QUANTIZATIONS
+from .rewards import DIVERGENCES
+
+
+@dataclass
+class PPOWConfig(GRPOConfig):
+    r"""
+    Configuration class for [`PPOWTrainer`]: GRPO on speculative windows, with the definitions of PPOW.md.
+
+    Only PPOW's parameters are listed here; see [`~trl.GRPOConfig`] for the rest. `num_generations` is the
+    number G of windows drafted per context, `temperature` the drafter's sampling temperature (the
+    policy samples exactly from `softmax(logits / temperature)`, so `top_p`, `top_k`, `min_p` and
+    `repetition_penalty` must keep their neutral values), and `max_completion_length` is set to `max_window`.
+
+    Parameters:
+        > Windows
+
+        max_window (`int`, *optional*, defaults to `8`):
+            K, the most tokens drafted per window.
+        window_threshold (`float`, *optional*, defaults to `0.0`):
+            h in [0, 1]: the drafter keeps drafting while the running acceptance estimate `prod conf_j` stays
+            at or above h (0 = fixed windows of K tokens). Saved with the drafter and used by generation.
+
+        > Cost model and rewards
+
+        drafter_cost (`float`, *optional*):
+            t_d / t_t. With `verify_cost`, the cost model is taken as given; otherwise it is measured on this
+            machine when the trainer starts (`ppow_trl.calibrate_cost_model`).
+        verify_cost (`list[float]`, *optional*):
+            t_v(L) / t_t for L = 0..K.
+        speed_reward (`str`, *optional*, defaults to `"cost"`):
+            `"cost"`: R_speed = S(y) = (E[A|y] + 1) t_t / (L t_d + t_v(L)). `"tokens"`: R_speed = E[A|y] + 1
+            (the ablation without the cost term).
+        proximity_weight (`float`, *optional*, defaults to `0.5`):
+            lambda in R = R_speed + lambda R_prox (0 = the ablation without the proximity reward).
+        proximity_divergence (`str`, *optional*, defaults to `"tv"`):
+            R_prox per position: `"tv"` (1 - TV), `"kl"` (-KL(p||q)) or `"js"` (-JS).
+        acceptance (`str`, *optional*, defaults to `"expected"`):
+            `"expected"`: E[A|y] under speculative sampling, with the target at `verify_temperature`.
+            `"greedy"`: the realised greedy accepted length A (verification against the target's argmax).
+        verify_temperature (`float`, *optional*, defaults to `1.0`):
+            Temperature of the target's distributions p_i in `"expected"` mode (match the decoding
+            temperature you will serve with).
+        per_token_credit (`bool`, *optional*, defaults to `False`):
+            Replace the window advantage by per-token advantages: token k is credited with the expected
+            accepted tokens from k on, `sum_{j>=k} prod_{i<=j} alpha_i`, normalised within the group at each
+            position. Needs whole groups on each process.
+
+        > Divergence-aware window selection
+
+        selection_beta (`float`, *optional*, defaults to `1.0`):
+            Window starts are drawn with probability ~ (s_t + eps)^beta, s_t = conf_t * D(p_t, q_t); 0 = uniform.
+        selection_eps (`float`, *optional*, defaults to `1e-3`):
+            eps above.
+        selection_uniform_share (`float`, *optional*, defaults to `0.1`):
+            Share of the draws made uniformly, so every context stays reachable between refreshes.
+        selection_divergence (`str`, *optional*, defaults to `"kl"`):
+            D in s_t: `"kl"`, `"tv"` or `"js"`.
+        selection_refresh_steps (`int`, *optional*, defaults to `50`):
+            Rescore contexts with the current drafter every this many optimizer steps (also at step 0).
+        selection_refresh_sequences (`int`, *optional*, defaults to `64`):
+            Sequences rescored per refresh (a rotating subset; all of them if the dataset is smaller).
+
+        > Target
+
+        target_quantization (`str`, *optional*):
+            `None`, `"4bit"` or `"8bit"` (bitsandbytes): how a target given by name is loaded.
+    """
+
+    max_window: int = field(default=8, metadata={"help": "K, the most tokens drafted per window."})
+    window_threshold: float = field(default=0.0, metadata={"help": "h in [0, 1]; 0 = fixed windows of K tokens."})
+    drafter_cost: float | None = field(default=None, metadata={"help": "t_d / t_t; measured at start-up if unset."})
+    verify_cost: list[float] | None = field(default=None, metadata={"help": "t_v(L) / t_t for L = 0..K."})
+    speed_reward: str = field(default="cost", metadata={"help": "'cost' (S(y)) or 'tokens' (E[A|y] + 1)."})
+    proximity_weight: float = field(default=0.5, metadata={"help": "lambda in R = R_speed + lambda R_prox."})
+    proximity_divergence: str = field(default="tv", metadata={"help": "'tv', 'kl' or 'js'."})
+    acceptance: str = field(default="expected", metadata={"help": "'expected' (E[A|y]) or 'greedy' (A)."})
+    verify_temperature: float = field(default=1.0, metadata={"help": "Temperature of the target's p_i."})
+    per_token_credit: bool = field(default=False, metadata={"help": "Per-token advantages from accepted-tokens-to-go."})
+    selection_beta: float = field(default=1.0, metadata={"help": "Selection strength; 0 = uniform."})
+    selection_eps: float = field(default=1e-3, metadata={"help": "eps in (s + eps)^beta."})
+    selection_uniform_share: float = field(default=0.1, metadata={"help": "Uniform share of the draws."})
+    selection_divergence: str = field(default="kl", metadata={"help": "'kl', 'tv' or 'js'."})
+    selection_refresh_steps: int = field(default=50, metadata={"help": "Rescore every N optimizer steps."})
+    selection_refresh_sequences: int = field(default=64, metadata={"help": "Sequences rescored per refresh."})
+    target_quantization: str | None = field(default=None, metadata={"help": "None, '4bit' or '8bit'."})
+
+    # Defaults that differ from GRPOConfig, with the reason.
+    # Drafters are small: activation checkpointing costs time and saves little memory.
+    activation_checkpointing: bool | None = field(default=False, metadata={"help": "Activation checkpointing of the drafter."})
+    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "Deprecated alias of activation_checkpointing."})
+    # bf16 mixed precision on CPUs is very slow; None = bf16 only when CUDA is available.
+    bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; default: only on CUDA."})
+    # The window sampler keeps its own position in the stream across a resume (see DivergenceAwareSampler).
+    ignore_data_skip: bool = field(default=True, metadata={"help": "Must stay True: the sampler resumes itself."})
+    # Windows never end in EOS: GRPO's masking of "truncated" completions would mask every window.
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Must stay False for windows."})
+    # The rows carry the candidate index next to the prompt ids.
+    remove_unused_columns: bool | None = field(default=False, metadata={"help": "Must stay False."})
+    # Dropout would make the sampled q differ from the distribution that training scores.
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the drafter."})
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = torch.cuda.is_available() and not self.fp16
+        self.max_completion_length = self.max_window if isinstance(self.max_window, int) else None
+        super().__post_init__()
+        self.validate_ppow()
+
+    def validate_ppow(self) -> None:
+        """Check PPOW's fields; every message names the field and what to do."""
+        errors = []
+        if not isinstance(self.max_window, int) or self.max_window < 1:
+            errors.append(f"max_window (K) must be an integer >= 1, got {self.max_window!r}.")
+        if not 0.0 <= self.window_threshold <= 1.0:
+            errors.append(f"window_threshold (h) must lie in [0, 1], got {self.window_threshold}.")
+        if (self.drafter_cost is None) != (self.verify_cost is None):
+            errors.append("Give both drafter_cost and verify_cost, or neither (then they are measured at start-up).")
+        if self.speed_reward not in ("cost", "tokens"):
+            errors.append(f"speed_reward must be 'cost' or 'tokens', got {self.speed_reward!r}.")
+        if self.acceptance not in ("expected", "greedy"):
+            errors.append(f"acceptance must be 'expected' or 'greedy', got {self.acceptance!r}.")
+        for name in ("proximity_divergence", "selection_divergence"):
+            if getattr(self, name) not in DIVERGENCES:
+                errors.append(f"{name} must be one of {DIVERGENCES}, got {getattr(self, name)!r}.")
+        if self.temperature <= 0 or self.verify_temperature <= 0:
+            errors.append("temperature and verify_temperature must be > 0 (use acceptance='greedy' for greedy verification).")
+        if self.top_p != 1.0 or self.top_k not in (0, None) or self.min_p is not None or self.repetition_penalty != 1.0:
+            errors.append(
+                "top_p must be 1.0, top_k 0, min_p None and repetition_penalty 1.0: speculative sampling needs q to be "
+                "the distribution the drafter really sampled from, which is softmax(logits / temperature)."
+            )
+        if self.selection_beta < 0 or self.selection_eps <= 0 or not 0.0 <= self.selection_uniform_share <= 1.0:
+            errors.append("Need selection_beta >= 0, selection_eps > 0 and selection_uniform_share in [0, 1].")
+        if self.selection_refresh_steps < 1 or self.selection_refresh_sequences < 1:
+            errors.append("selection_refresh_steps and selection_refresh_sequences must be >= 1.")
+        if self.target_quantization not in QUANTIZATIONS:
+            errors.append(f"target_quantization must be one of {QUANTIZATIONS}, got {self.target_quantization!r}.")
+        if not self.ignore_data_skip:
+            errors.append("ignore_data_skip must stay True: the window sampler restores its own position on resume.")
+        if self.mask_truncated_completions:
+            errors.append("mask_truncated_completions must stay False: windows never end in EOS.")
+        if self.remove_unused_columns:
+            errors.append("remove_unused_columns must stay False: rows carry the context's candidate index.")
+        local_rows = self.per_device_train_batch_size * self.steps_per_generation
+        if self.per_token_credit and local_rows % self.num_generations:
+            errors.append(
+                f"per_token_credit needs whole groups on each process: per_device_train_batch_size x steps_per_generation "
+                f"({local_rows}) must be divisible by num_generations ({self.num_generations})."
+            )
+        if errors:
+            raise ValueError("Invalid PPOWConfig:\n- " + "\n- ".join(errors))
