@@ -2,15 +2,14 @@
 
 A *candidate* is a pair (sequence, start): the context ``prompt_ids + response_ids[:start]`` after
 which the drafter proposes a window. ``ContextPool`` turns a dataset of target responses into the
-candidate dataset GRPOTrainer iterates over; ``DivergenceAwareSampler`` draws candidates with
-probability ``~ (s_t + eps)^beta`` (mixed with a uniform share) in the group structure GRPO expects.
+candidate dataset GRPOTrainer iterates over; ``ContextSelector`` draws the contexts of each
+generation round with probability ``~ (s_t + eps)^beta`` (mixed with a uniform share).
 """
 
 from __future__ import annotations
 
 import torch
 from datasets import Dataset
-from torch.utils.data import Sampler
 
 from .windowing import divergence_scores, window_start_probabilities
 
@@ -95,32 +94,27 @@ def score_sequence(target, drafter, ids: torch.Tensor, prompt_length: int, *, vo
     return divergence_scores(probs(target, target_temperature), probs(drafter, drafter_temperature), kind=kind)
 
 
-class DivergenceAwareSampler(Sampler):
-    """Draws candidate indices with probability ``(1-u) (s+eps)^beta / Z + u / N``, in GRPO's group layout.
+class ContextSelector:
+    """Chooses the contexts of each generation round: ``P(i) = (1-u) (s_i+eps)^beta / Z + u / N``.
 
-    Each round draws ``batch_size`` candidates (with replacement) from a generator seeded by
-    ``(seed, round)``, and yields each ``mini_repeat_count`` (= G) times in a row, the whole block
-    ``repeat_count`` times (as TRL's ``RepeatSampler``), so every process sees the same stream. The round
-    counter persists across epochs and is restored on resume (``state_dict``), so a resumed run
-    continues the stream instead of replaying it.
+    Round ``r`` draws its candidates (with replacement) from a generator seeded by ``(seed, r)`` with
+    the scores in force when that round is generated, so every process draws the same global batch
+    and a resumed run (scores restored from the checkpoint, ``r`` derived from the global step) draws
+    exactly what the uninterrupted run drew. Choosing at generation time, not in the dataloader's
+    sampler, keeps prefetching from drawing a round with stale scores.
     """
 
-    def __init__(self, num_candidates: int, *, mini_repeat_count: int, batch_size: int, repeat_count: int,
-                 beta: float, eps: float, uniform_share: float, seed: int = 0):
+    def __init__(self, num_candidates: int, *, beta: float, eps: float, uniform_share: float, seed: int = 0):
         self.num_candidates = num_candidates
-        self.mini_repeat_count = mini_repeat_count
-        self.batch_size = batch_size
-        self.repeat_count = repeat_count
         self.beta, self.eps, self.uniform_share = beta, eps, uniform_share
         self.seed = seed
         self.scores = torch.zeros(num_candidates)
         self.scored = torch.zeros(num_candidates, dtype=torch.bool)
-        self.round = 0
         self.last_refresh_step = None
-        self.rounds_per_epoch = max(1, num_candidates // batch_size)
+        self.refresh_count = 0
 
     def probabilities(self) -> torch.Tensor:
-        """Sampling probabilities over candidates. Unscored candidates get the mean scored value, so a
+        """Selection probabilities over candidates. Unscored candidates get the mean scored value, so a
         partial refresh neither starves nor favours them."""
         scores = self.scores.clone()
         if self.scored.any() and not self.scored.all():
@@ -132,33 +126,22 @@ class DivergenceAwareSampler(Sampler):
         self.scores[candidates] = scores.float()
         self.scored[candidates] = True
 
-    def __iter__(self):
-        probabilities = None
-        for _ in range(self.rounds_per_epoch):
-            # Weights are read per round, so a refresh takes effect from the next round on.
-            probabilities = self.probabilities()
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.round)
-            chunk = torch.multinomial(probabilities, self.batch_size, replacement=True, generator=generator).tolist()
-            self.round += 1
-            for _ in range(self.repeat_count):
-                for index in chunk:
-                    for _ in range(self.mini_repeat_count):
-                        yield index
-
-    def __len__(self) -> int:
-        return self.rounds_per_epoch * self.batch_size * self.mini_repeat_count * self.repeat_count
+    def draw(self, round_index: int, count: int) -> torch.Tensor:
+        """The ``count`` candidates of generation round ``round_index``."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + round_index)
+        return torch.multinomial(self.probabilities(), count, replacement=True, generator=generator)
 
     def state_dict(self) -> dict:
-        return {"scores": self.scores.tolist(), "scored": self.scored.tolist(), "round": self.round,
-                "last_refresh_step": self.last_refresh_step, "seed": self.seed}
+        return {"scores": self.scores.tolist(), "scored": self.scored.tolist(), "seed": self.seed,
+                "last_refresh_step": self.last_refresh_step, "refresh_count": self.refresh_count}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["scores"]) != self.num_candidates:
             raise ValueError(
-                f"The checkpoint's window sampler has {len(state['scores'])} candidates, this dataset {self.num_candidates}: "
-                "resume with the same training data."
+                f"The checkpoint's context selector has {len(state['scores'])} candidates, this dataset "
+                f"{self.num_candidates}: resume with the same training data."
             )
         self.scores = torch.tensor(state["scores"])
         self.scored = torch.tensor(state["scored"], dtype=torch.bool)
-        self.round = state["round"]
         self.last_refresh_step = state["last_refresh_step"]
+        self.refresh_count = state["refresh_count"]

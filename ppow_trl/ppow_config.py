@@ -100,8 +100,9 @@ class PPOWConfig(GRPOConfig):
     gradient_checkpointing: bool | None = field(default=None, metadata={"help": "Deprecated alias of activation_checkpointing."})
     # bf16 mixed precision on CPUs is very slow; None = bf16 only when CUDA is available.
     bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; default: only on CUDA."})
-    # The window sampler keeps its own position in the stream across a resume (see DivergenceAwareSampler).
-    ignore_data_skip: bool = field(default=True, metadata={"help": "Must stay True: the sampler resumes itself."})
+    # Contexts and windows are drawn per generation round from seeded generators (ContextSelector), so a
+    # resumed run continues the stream from the restored step instead of replaying the dataloader.
+    ignore_data_skip: bool = field(default=True, metadata={"help": "Must stay True: the context selector resumes itself."})
     # Windows never end in EOS: GRPO's masking of "truncated" completions would mask every window.
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Must stay False for windows."})
     # The rows carry the candidate index next to the prompt ids.
@@ -146,7 +147,7 @@ class PPOWConfig(GRPOConfig):
         if self.target_quantization not in QUANTIZATIONS:
             errors.append(f"target_quantization must be one of {QUANTIZATIONS}, got {self.target_quantization!r}.")
         if not self.ignore_data_skip:
-            errors.append("ignore_data_skip must stay True: the window sampler restores its own position on resume.")
+            errors.append("ignore_data_skip must stay True: the context selector restores its own position on resume.")
         if self.mask_truncated_completions:
             errors.append("mask_truncated_completions must stay False: windows never end in EOS.")
         if self.remove_unused_columns:

@@ -21,7 +21,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
-from .contexts import ContextPool, DivergenceAwareSampler, score_sequence
+from .contexts import ContextPool, ContextSelector, score_sequence
 from .cost import CostModel, calibrate_cost_model, speedup
 from .drafter import PPOWDrafterForCausalLM
 from .models import check_compatibility, load_target
@@ -36,7 +36,7 @@ from .verification import (
 )
 from .windowing import AdaptiveWindowPolicy
 
-SAMPLER_STATE_FILE = "ppow_window_sampler.json"
+SELECTOR_STATE_FILE = "ppow_context_selector.json"
 
 
 # TRL needs reward functions (and names them in its logs: rewards/speed/mean, rewards/proximity/mean).
@@ -146,17 +146,10 @@ class PPOWTrainer(GRPOTrainer):
 
         self.window_policy = AdaptiveWindowPolicy(args.max_window, args.window_threshold)
         self.cost_model = cost_model or self._initial_cost_model()
-        self.window_sampler = DivergenceAwareSampler(
-            len(self.context_pool),
-            mini_repeat_count=self.num_generations,
-            batch_size=args.generation_batch_size // self.num_generations,
-            repeat_count=self.num_iterations * args.steps_per_generation,
-            beta=args.selection_beta,
-            eps=args.selection_eps,
-            uniform_share=args.selection_uniform_share,
-            seed=args.seed,
+        self.context_selector = ContextSelector(
+            len(self.context_pool), beta=args.selection_beta, eps=args.selection_eps,
+            uniform_share=args.selection_uniform_share, seed=args.seed,
         )
-        self._refresh_count = 0
         self.last_window_rewards = None  # the latest batch's reward terms, for inspection and tests
 
     # ------------------------------------------------------------------ set-up helpers
@@ -198,15 +191,27 @@ class PPOWTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ sampling of contexts
 
-    def _get_train_sampler(self, dataset=None):
-        return self.window_sampler
+    def _generation_round(self) -> int:
+        """Index of the generation round about to run: one round feeds steps_per_generation x num_iterations
+        micro-batches, and global_step counts gradient_accumulation_steps micro-batches each."""
+        micro_batches = self.state.global_step * self.args.gradient_accumulation_steps
+        return micro_batches // (self.args.steps_per_generation * self.num_iterations)
+
+    def _select_contexts(self, inputs: list[dict]) -> list[dict]:
+        """Replace the dataloader's rows by this round's divergence-aware choice (same global draw on every
+        process; each takes its slice), each context repeated G times as GRPO expects."""
+        group = self.num_generations
+        local = len(inputs) // group
+        chosen = self.context_selector.draw(self._generation_round(), local * self.accelerator.num_processes)
+        mine = chosen[self.accelerator.process_index * local : (self.accelerator.process_index + 1) * local].tolist()
+        return [{"candidate": c, "prompt": self.context_pool.context(c)} for c in mine for _ in range(group)]
 
     def _refresh_selection_scores(self) -> None:
         """Rescore a rotating subset of sequences with the current drafter: ``s_t = conf_t * D(p_t, q_t)``."""
-        sampler, pool, args = self.window_sampler, self.context_pool, self.args
+        selector, pool, args = self.context_selector, self.context_pool, self.args
         num_sequences = len(pool.responses)
         count = min(args.selection_refresh_sequences, num_sequences)
-        first = (self._refresh_count * count) % num_sequences
+        first = (selector.refresh_count * count) % num_sequences
         sequences = [(first + i) % num_sequences for i in range(count)]
         scores = torch.zeros(len(pool), device=self.accelerator.device)
         scored = torch.zeros(len(pool), device=self.accelerator.device)
@@ -222,9 +227,9 @@ class PPOWTrainer(GRPOTrainer):
                     scores[candidates] = row.to(scores.device)
                     scored[candidates] = 1.0
         scores, scored = broadcast(scores, from_process=0), broadcast(scored, from_process=0)
-        sampler.set_scores(scored.nonzero().squeeze(-1).cpu(), scores[scored.bool()].cpu())
-        sampler.last_refresh_step = self.state.global_step
-        self._refresh_count += 1
+        selector.set_scores(scored.nonzero().squeeze(-1).cpu(), scores[scored.bool()].cpu())
+        selector.last_refresh_step = self.state.global_step
+        selector.refresh_count += 1
 
     # ------------------------------------------------------------------ rollout and rewards
 
@@ -257,11 +262,16 @@ class PPOWTrainer(GRPOTrainer):
         if any(prompts[i] != prompts[i - i % group] for i in range(len(prompts))):
             raise RuntimeError("PPOWTrainer expects the G windows of a context on consecutive rows (TRL's sampler layout).")
         pad_id = self._tokenizer.pad_token_id
+        # Windows are sampled from a generator seeded by (seed, round, process): the stream is a function of
+        # the training step, so a resumed run samples what the uninterrupted run sampled.
+        generator = torch.Generator(self.accelerator.device).manual_seed(
+            (self.args.seed * 1_000_003 + self._generation_round()) * 1_009 + self.accelerator.process_index
+        )
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
         ) as drafter, torch.no_grad():
             drafted = draft_windows(drafter, contexts, self.window_policy, pad_id=pad_id, temperature=self.args.temperature,
-                                    vocab_size=self.vocab_size, num_samples_per_context=group)
+                                    vocab_size=self.vocab_size, num_samples_per_context=group, generator=generator)
         target_probs = target_window_probs(self.target, contexts, drafted.window_ids, pad_id=pad_id,
                                            temperature=self._verify_temperature, vocab_size=self.vocab_size,
                                            num_samples_per_context=group)
@@ -301,10 +311,13 @@ class PPOWTrainer(GRPOTrainer):
             self._log_metric(name, float(value))
 
     def _generate_and_score_completions(self, inputs):
-        if self.model.training and self.args.selection_beta > 0:
-            last = self.window_sampler.last_refresh_step
-            if last is None or self.state.global_step - last >= self.args.selection_refresh_steps:
+        if self.model.training:
+            last = self.context_selector.last_refresh_step
+            if self.args.selection_beta > 0 and (
+                last is None or self.state.global_step - last >= self.args.selection_refresh_steps
+            ):
                 self._refresh_selection_scores()
+            inputs = self._select_contexts(inputs)
         output = super()._generate_and_score_completions(inputs)
         if self.args.per_token_credit and self.model.training:
             width = output["completion_ids"].shape[1]
@@ -328,25 +341,18 @@ class PPOWTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            state = {**self.window_sampler.state_dict(), "refresh_count": self._refresh_count}
-            with open(os.path.join(folder, SAMPLER_STATE_FILE), "w") as f:
-                json.dump(state, f)
+            with open(os.path.join(folder, SELECTOR_STATE_FILE), "w") as f:
+                json.dump(self.context_selector.state_dict(), f)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, SAMPLER_STATE_FILE)
+        path = os.path.join(checkpoint, SELECTOR_STATE_FILE)
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: this checkpoint was not written by PPOWTrainer.")
         with open(path) as f:
-            state = json.load(f)
-        self.window_sampler.load_state_dict(state)
-        self._refresh_count = state["refresh_count"]
-        # The sampler draws rounds ahead of training (prefetch); continue at the round the restored step
-        # consumes next: each round feeds steps_per_generation * num_iterations micro-batches.
-        micro_batches = self.state.global_step * self.args.gradient_accumulation_steps
-        self.window_sampler.round = micro_batches // (self.args.steps_per_generation * self.num_iterations)
+            self.context_selector.load_state_dict(json.load(f))
 
 
 def _max_positions(model) -> int:

@@ -76,3 +76,36 @@ def tiny_target():
 @pytest.fixture
 def tiny_drafter():
     return make_tiny_llama(num_layers=1, seed=1)
+
+
+def make_bigram_llama(logit_table: torch.Tensor, num_layers: int = 1):
+    """A Llama whose next-token logits are exactly ``logit_table[current token]`` (a bigram model).
+
+    Attention and MLP outputs are zeroed, so the residual stream is the token's embedding; embeddings
+    are scaled one-hot vectors (RMSNorm turns them into ``sqrt(H) e_x``), and the untied head holds
+    the table. Tests use it as a target whose easy and hard positions are known exactly.
+    """
+    vocab = logit_table.shape[0]
+    model = make_tiny_llama(vocab_size=vocab, num_layers=num_layers, hidden_size=vocab, tie_word_embeddings=False)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        model.lm_head.weight.copy_(logit_table.T / vocab**0.5)
+    return model
+
+
+def easy_hard_bigram_table(vocab: int = 64, first_content: int = 8, split: int = 36, seed: int = 0) -> torch.Tensor:
+    """Bigram logits: "easy" tokens [first_content, split) continue almost surely to the next token;
+    "hard" tokens [split, vocab) continue uniformly to 8 tokens (half easy, half hard)."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.full((vocab, vocab), -10.0)
+    for token in range(vocab):
+        if first_content <= token < split - 1:
+            table[token, token + 1] = 10.0
+        else:  # hard tokens, the last easy token and special tokens branch out
+            easy = torch.randint(first_content, split, (4,), generator=g)
+            hard = torch.randint(split, vocab, (4,), generator=g)
+            table[token, torch.cat([easy, hard])] = 5.0
+    return table

@@ -1,0 +1,268 @@
+"""PPOWTrainer on tiny models: learning on a controlled problem, reward plumbing, LoRA, 4-bit, resume, errors."""
+
+import json
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from ppow_trl.cost import CostModel, speedup
+from ppow_trl.models import make_drafter
+from ppow_trl.ppow_config import PPOWConfig
+from ppow_trl.ppow_trainer import PPOWTrainer, accepted_tokens_to_go, per_token_advantages
+from ppow_trl.rewards import proximity_reward
+from ppow_trl.rollout import draft_windows, target_window_probs
+from ppow_trl.verification import acceptance_probabilities, expected_accepted_length, prefix_acceptance_probabilities
+from ppow_trl.windowing import AdaptiveWindowPolicy
+
+from conftest import easy_hard_bigram_table, make_bigram_llama, make_tiny_llama, make_tiny_tokenizer
+
+GIVEN_COST = {"drafter_cost": 0.3, "verify_cost": [1.0, 1.4, 1.6, 1.8, 2.0]}
+SPLIT = 36  # tokens below are "easy" in easy_hard_bigram_table
+
+
+def sampled_sequences(target, seed, count, new_tokens=16):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    prompts = torch.randint(8, 64, (count, 3), generator=g)
+    out = target.generate(prompts, do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    return prompts, out[:, 3:]
+
+
+def response_dataset(target, seed=0, count=32):
+    prompts, responses = sampled_sequences(target, seed, count)
+    return Dataset.from_dict({"prompt_ids": prompts.tolist(), "response_ids": responses.tolist()})
+
+
+def config(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4, max_window=4,
+        max_steps=2, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, selection_refresh_steps=5, seed=0, **GIVEN_COST,
+    )
+    kwargs.update(overrides)
+    return PPOWConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def bigram():
+    table = easy_hard_bigram_table()
+    return table, make_bigram_llama(table)
+
+
+def noisy_drafter(table, noise=8.0, seed=1):
+    """A drafter that knows the target roughly (as after KD), so RL has a signal from the first step."""
+    return make_bigram_llama(table + noise * torch.randn(table.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def held_out_evaluation(drafter, target, threshold=0.5):
+    """Simulated tau (E[A|y] + 1, T = 1, K = 4) and adaptive window lengths on held-out easy/hard contexts."""
+    prompts, responses = sampled_sequences(target, 99, 96)
+    contexts = [torch.cat([prompts[i], responses[i, :t]]) for i in range(96) for t in range(0, 16, 3)]
+    easy = torch.tensor([int(c[-1]) < SPLIT for c in contexts])
+    drafter.eval()
+    torch.manual_seed(123)
+    drafted = draft_windows(drafter, contexts, AdaptiveWindowPolicy(4, 0.0))
+    probs = target_window_probs(target, contexts, drafted.window_ids)
+    alpha = acceptance_probabilities(drafted.window_ids, probs, drafted.drafter_probs, drafted.window_mask)
+    tau = expected_accepted_length(alpha, drafted.window_mask).mean().item() + 1
+    lengths = AdaptiveWindowPolicy(4, threshold).window_lengths(drafted.confidences).float()
+    return tau, lengths[easy].mean().item(), lengths[~easy].mean().item()
+
+
+def test_training_raises_held_out_tau_and_adapts_windows_to_easy_and_hard_positions(tmp_path, bigram):
+    """A target that is predictable at some tokens and branches 8 ways at others; a drafter as after KD.
+
+    PPOW (cost term on, adaptive windows h = 0.5, 150 steps) must raise the simulated tau on held-out
+    contexts, lengthen windows at easy positions and shorten them at hard ones (where matching the
+    target's spread, not confidence, is what gets accepted). Before training: tau 2.29, easy windows
+    3.57, hard windows 3.19. After, for training seeds 0/1/2/42: tau 2.69/2.90/2.70/2.47, easy
+    3.95/3.99/3.99/3.88, hard 2.71/2.91/2.97/2.96. The test uses seed 42, the weakest of the four.
+    """
+    table, target = bigram
+    tau_before, easy_before, hard_before = held_out_evaluation(noisy_drafter(table), target)
+    args = config(tmp_path, per_device_train_batch_size=64, num_generations=8, max_steps=150, window_threshold=0.5,
+                  learning_rate=3e-4, logging_steps=30, selection_refresh_steps=10, seed=42)
+    trainer = PPOWTrainer(model=noisy_drafter(table), target_model=target, args=args,
+                          train_dataset=response_dataset(target), processing_class=make_tiny_tokenizer())
+    trainer.train()
+    tau_after, easy_after, hard_after = held_out_evaluation(trainer.model, target)
+    assert tau_after > tau_before + 0.1, (tau_before, tau_after)
+    assert easy_after > easy_before + 0.2, (easy_before, easy_after)
+    assert hard_after < hard_before - 0.15, (hard_before, hard_after)
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert rewards and all(torch.isfinite(torch.tensor(rewards)))
+
+
+def test_trainer_rewards_equal_the_core_and_target_stays_frozen(tmp_path, bigram):
+    table, target = bigram
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    trainer = PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path, proximity_weight=0.3),
+                          train_dataset=response_dataset(target, count=8), processing_class=make_tiny_tokenizer())
+    trainer.train()
+    w = trainer.last_window_rewards
+    alpha = acceptance_probabilities(w["window_ids"], w["target_probs"], w["drafter_probs"], w["window_mask"])
+    accepted = expected_accepted_length(alpha, w["window_mask"])
+    cost = CostModel(**GIVEN_COST)
+    assert torch.allclose(w["accepted"], accepted)
+    assert torch.allclose(w["prefix"], prefix_acceptance_probabilities(alpha, w["window_mask"]))
+    assert torch.allclose(w["speed"], speedup(accepted, w["window_mask"].sum(-1), cost))
+    assert torch.allclose(w["proximity"], proximity_reward(w["target_probs"], w["drafter_probs"], w["window_mask"]))
+    # TRL's logged reward is R_speed + lambda R_prox of the last batch
+    last = [h for h in trainer.state.log_history if "reward" in h][-1]
+    assert last["reward"] == pytest.approx((w["speed"] + 0.3 * w["proximity"]).mean().item(), rel=1e-4)
+    for name in ("ppow/simulated_tau", "ppow/window_length", "ppow/R_speed", "ppow/R_prox",
+                 "ppow/selected_divergence", "ppow/cost_ratio", "ppow/expected_accepted"):
+        assert name in last
+    assert last["ppow/simulated_tau"] == pytest.approx(accepted.mean().item() + 1, rel=1e-4)
+    for key, value in target.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert not any(p.requires_grad for p in target.parameters())
+
+
+def test_lora_trains_only_the_adapter_and_save_carries_the_window_policy(tmp_path, bigram):
+    from peft import LoraConfig
+
+    table, target = bigram
+    drafter = noisy_drafter(table)
+    base = {k: v.clone() for k, v in drafter.state_dict().items()}
+    trainer = PPOWTrainer(model=drafter, target_model=target, args=config(tmp_path, learning_rate=1e-2),
+                          train_dataset=response_dataset(target, count=8), processing_class=make_tiny_tokenizer(),
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "down_proj"]))
+    lora_before = {n: p.clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    trainer.train()
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    changed = [n for n, p in trainer.model.named_parameters() if "lora_" in n and not torch.equal(p, lora_before[n])]
+    assert changed
+    merged_base = trainer.model.get_base_model().state_dict()
+    for key, value in base.items():
+        peft_key = key.replace(".weight", ".base_layer.weight") if any(m in key for m in ("o_proj", "down_proj")) else key
+        assert torch.equal(merged_base[peft_key], value), key
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = os.listdir(tmp_path / "saved")
+    assert "adapter_config.json" in saved and "ppow_window_policy.json" in saved and "ppow_cost_model.json" in saved
+    assert AdaptiveWindowPolicy.from_pretrained(tmp_path / "saved") == trainer.window_policy
+    assert CostModel.from_pretrained(tmp_path / "saved").drafter_cost == GIVEN_COST["drafter_cost"]
+
+
+def test_reduced_vocabulary_drafter_trains_with_correct_log_probs(tmp_path):
+    """TRL's fused head scores labels against the reduced head: the trainer maps them to draft rows."""
+    target = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5)
+    drafter = make_drafter(target, num_layers=1, draft_vocab_ids=list(range(0, 64, 2)) + [3])
+    trainer = PPOWTrainer(model=drafter, target_model=target, args=config(tmp_path, per_device_train_batch_size=8),
+                          train_dataset=response_dataset(target, count=6), processing_class=make_tiny_tokenizer())
+    trainer.model.train()
+    inputs = [trainer.train_dataset[i] for i in [0, 0, 0, 0, 5, 5, 5, 5]]
+    out = trainer._generate_and_score_completions(inputs)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, out["completion_ids"].shape[1])
+    w = trainer.last_window_rewards
+    sampled = w["drafter_probs"].gather(-1, w["window_ids"][..., None]).squeeze(-1).log()
+    assert torch.allclose(logps[w["window_mask"]], sampled[w["window_mask"]], atol=1e-4)
+    assert (w["window_ids"] % 2 == 0).logical_or(w["window_ids"] == 3).all()  # drafted inside the draft vocab
+    trainer.train()
+
+
+def test_four_bit_target_runs(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from ppow_trl.models import load_target
+
+    fp32 = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5, hidden_size=64)
+    fp32.save_pretrained(tmp_path / "target")
+    target = load_target(str(tmp_path / "target"), quantization="4bit")
+    drafter = make_tiny_llama(num_layers=1, seed=1, initializer_range=0.5, hidden_size=64)
+    trainer = PPOWTrainer(model=drafter, target_model=target, args=config(tmp_path),
+                          train_dataset=response_dataset(fp32, count=6), processing_class=make_tiny_tokenizer())
+    trainer.train()
+    assert torch.isfinite(trainer.last_window_rewards["speed"]).all()
+    assert trainer.state.global_step == 2
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt("simulated kill")
+
+
+def test_checkpoint_kill_resume_continues_the_same_run(tmp_path, bigram):
+    table, target = bigram
+    data = response_dataset(target, count=8)
+    tokenizer = make_tiny_tokenizer()
+
+    def make(output, callbacks=None):
+        args = config(tmp_path, output_dir=str(output), max_steps=6, save_strategy="steps", save_steps=3,
+                      selection_refresh_steps=2)
+        return PPOWTrainer(model=noisy_drafter(table), target_model=target, args=args, train_dataset=data,
+                           processing_class=tokenizer, callbacks=callbacks)
+
+    reference = make(tmp_path / "reference")
+    reference.train()
+
+    interrupted = make(tmp_path / "run", callbacks=[StopAt(4)])
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    saved = json.loads((checkpoint / "ppow_context_selector.json").read_text())
+    assert saved["last_refresh_step"] == 2 and sum(saved["scored"]) > 0
+
+    resumed = make(tmp_path / "run")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 6
+    assert resumed.context_selector.last_refresh_step == 4  # refreshed at 4 after restoring the step-2 scores
+    assert resumed.context_selector.refresh_count == reference.context_selector.refresh_count == 3
+    # same stream, same updates: the resumed run ends where the uninterrupted one did
+    for (name, a), b in zip(reference.model.named_parameters(), resumed.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert (tmp_path / "run" / "checkpoint-6" / "ppow_context_selector.json").exists()
+
+
+def test_per_token_credit(tmp_path, bigram):
+    prefix = torch.tensor([[1.0, 0.5, 0.25, 0.0], [0.5, 0.5, 0.0, 0.0]])
+    assert torch.allclose(accepted_tokens_to_go(prefix), torch.tensor([[1.75, 0.75, 0.25, 0.0], [1.0, 0.5, 0.0, 0.0]]))
+    credit = torch.tensor([[2.0, 1.0], [0.0, 0.0], [1.0, 1.0], [3.0, 1.0]])
+    mask = torch.ones(4, 2)
+    adv = per_token_advantages(credit, mask, group_size=2)
+    want_first = (credit[:2] - credit[:2].mean(0)) / (credit[:2, 0].std() + 1e-4)
+    assert torch.allclose(adv[:2], want_first)
+    table, target = bigram
+    trainer = PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path, per_token_credit=True),
+                          train_dataset=response_dataset(target, count=8), processing_class=make_tiny_tokenizer())
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([trainer.train_dataset[i] for i in range(4) for _ in range(4)])
+    assert out["advantages"].shape == out["completion_ids"].shape
+    assert (out["advantages"][out["completion_mask"] == 0] == 0).all()
+    trainer.train()
+
+
+def test_bad_input_fails_before_training(tmp_path, bigram):
+    table, target = bigram
+    data = response_dataset(target, count=4)
+    tokenizer = make_tiny_tokenizer()
+    with pytest.raises(ValueError, match="tokenizer|vocab"):
+        PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path), train_dataset=data,
+                    processing_class=tokenizer, drafter_processing_class=make_tiny_tokenizer(extra_words=4))
+    too_long = Dataset.from_dict({"prompt_ids": [[9] * 10], "response_ids": [[10] * 300]})
+    with pytest.raises(ValueError, match="at most"):
+        PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path), train_dataset=too_long,
+                    processing_class=tokenizer)
+    with pytest.raises(ValueError, match="no response tokens"):
+        PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path),
+                    train_dataset=Dataset.from_dict({"prompt_ids": [], "response_ids": []}), processing_class=tokenizer)
+    with pytest.raises(ValueError, match="build_target_responses"):
+        PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path),
+                    train_dataset=Dataset.from_dict({"prompt": ["hello"]}), processing_class=tokenizer)
+    with pytest.raises(ValueError, match="max_window"):
+        config(tmp_path, max_window=0)
+    with pytest.raises(ValueError, match="window_threshold"):
+        config(tmp_path, window_threshold=1.5)
+    with pytest.raises(ValueError, match="top_p"):
+        config(tmp_path, top_p=0.9)
+    with pytest.raises(ValueError, match="processing_class"):
+        PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path), train_dataset=data)
