@@ -6,7 +6,10 @@ __version__ = "0.1.0.dev0"
 # AutoModelForCausalLM, so `AutoModelForCausalLM.from_pretrained(saved_drafter)` works after `import ppow_trl`.
 from .cost import CostModel, calibrate_cost_model, overall_speedup, speedup
 from .drafter import PPOWDrafterConfig, PPOWDrafterForCausalLM
+from .kd_trainer import KDConfig, KDTrainer
 from .models import OFFLINE_TARGET, build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter
+from .ppow_config import PPOWConfig
+from .ppow_trainer import PPOWTrainer
 from .rewards import divergence, proximity_reward, window_reward
 from .verification import (
     acceptance_probabilities,
@@ -21,9 +24,13 @@ from .windowing import AdaptiveWindowPolicy, calibrate_window_policy, divergence
 __all__ = [
     "AdaptiveWindowPolicy",
     "CostModel",
+    "KDConfig",
+    "KDTrainer",
     "OFFLINE_TARGET",
     "PPOWDrafterConfig",
+    "PPOWConfig",
     "PPOWDrafterForCausalLM",
+    "PPOWTrainer",
     "acceptance_probabilities",
     "build_draft_vocab",
     "calibrate_cost_model",

@@ -149,7 +149,8 @@ def calibrate_cost_model(
     device = next(target.parameters()).device
     if context_ids is None:
         generator = torch.Generator().manual_seed(seed)
-        vocab = min(target.config.vocab_size, drafter.config.vocab_size)
+        # Any token ids both models can embed (a reduced-vocabulary drafter still embeds the full vocabulary).
+        vocab = min(target.get_input_embeddings().num_embeddings, drafter.get_input_embeddings().num_embeddings)
         context_ids = torch.randint(0, vocab, (1, context_length), generator=generator)
     context_ids = context_ids.to(device)
     with torch.inference_mode():

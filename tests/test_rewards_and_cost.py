@@ -108,3 +108,8 @@ def test_calibration_measures_a_bigger_target_as_slower():
     assert cost.raw_seconds["target_step"] > 0 and "median of 5" in cost.description
     with pytest.raises(ValueError, match="max_window"):
         calibrate_cost_model(target, drafter, max_window=0)
+    # a reduced-vocabulary drafter (its config has no vocab_size of its own) calibrates too
+    from ppow_trl.models import make_drafter
+
+    reduced = make_drafter(target, num_layers=1, draft_vocab_ids=list(range(0, 64, 4)))
+    assert calibrate_cost_model(target, reduced, max_window=2, context_length=8, repeats=2, warmup=1).drafter_cost > 0
