@@ -6,6 +6,7 @@ __version__ = "0.1.0.dev0"
 # AutoModelForCausalLM, so `AutoModelForCausalLM.from_pretrained(saved_drafter)` works after `import ppow_trl`.
 from .cost import CostModel, calibrate_cost_model, overall_speedup, speedup
 from .drafter import PPOWDrafterConfig, PPOWDrafterForCausalLM
+from .generation import exact_greedy_tau, speculative_generate
 from .kd_trainer import KDConfig, KDTrainer
 from .models import OFFLINE_TARGET, build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter
 from .ppow_config import PPOWConfig
@@ -39,6 +40,7 @@ __all__ = [
     "divergence",
     "divergence_scores",
     "draft_vocab_coverage",
+    "exact_greedy_tau",
     "expected_accepted_length",
     "greedy_accepted_length",
     "greedy_verify",
@@ -47,6 +49,7 @@ __all__ = [
     "overall_speedup",
     "proximity_reward",
     "residual_distribution",
+    "speculative_generate",
     "speculative_sampling_verify",
     "speedup",
     "window_reward",

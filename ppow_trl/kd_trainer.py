@@ -186,8 +186,9 @@ class DataCollatorForKD:
                     "response tokens; recompute them with `ppow_trl.data.compute_target_topk` on this dataset."
                 )
             prompt, kept = _truncate(prompt, response, self.max_length)
-            ids = torch.as_tensor(topk_ids[:kept], dtype=torch.long).reshape(kept, -1)
-            logprobs = torch.as_tensor(topk_logprobs[:kept], dtype=torch.float32).reshape(kept, -1)
+            width = len(topk_ids[0]) if kept else 0  # an empty response has no top-k rows
+            ids = torch.as_tensor(topk_ids[:kept], dtype=torch.long).reshape(kept, width)
+            logprobs = torch.as_tensor(topk_logprobs[:kept], dtype=torch.float32).reshape(kept, width)
             if kept:
                 if ids.shape != logprobs.shape:
                     raise ValueError(

@@ -51,9 +51,8 @@ class PPOWConfig(GRPOConfig):
             Temperature of the target's distributions p_i in `"expected"` mode (match the decoding
             temperature you will serve with).
         per_token_credit (`bool`, *optional*, defaults to `False`):
-            Replace the window advantage by per-token advantages: token k is credited with the expected
-            accepted tokens from k on, `sum_{j>=k} prod_{i<=j} alpha_i`, normalised within the group at each
-            position. Needs whole groups on each process.
+            Add per-token advantages to the window advantage: token k is credited with the expected accepted
+            tokens from k on, `sum_{j>=k} prod_{i<=j} alpha_i`, normalised within the group at each position.
 
         > Divergence-aware window selection
 
@@ -126,6 +125,17 @@ class PPOWConfig(GRPOConfig):
             errors.append(f"window_threshold (h) must lie in [0, 1], got {self.window_threshold}.")
         if (self.drafter_cost is None) != (self.verify_cost is None):
             errors.append("Give both drafter_cost and verify_cost, or neither (then they are measured at start-up).")
+        if self.verify_cost is not None and (
+            len(self.verify_cost) != self.max_window + 1 or self.verify_cost[0] != 1.0
+        ):
+            errors.append(
+                f"verify_cost must list t_v(L)/t_t for L = 0..max_window ({self.max_window + 1} values, the first "
+                f"1.0), got {self.verify_cost}."
+            )
+        if self.reward_weights is not None and list(self.reward_weights) != [1.0, self.proximity_weight]:
+            errors.append("Set proximity_weight instead of reward_weights: PPOW's reward is R_speed + lambda R_prox.")
+        if self.use_vllm:
+            errors.append("use_vllm is not supported: the drafter samples windows itself (its exact q is needed).")
         if self.speed_reward not in ("cost", "tokens"):
             errors.append(f"speed_reward must be 'cost' or 'tokens', got {self.speed_reward!r}.")
         if self.acceptance not in ("expected", "greedy"):
@@ -153,10 +163,10 @@ class PPOWConfig(GRPOConfig):
         if self.remove_unused_columns:
             errors.append("remove_unused_columns must stay False: rows carry the context's candidate index.")
         local_rows = self.per_device_train_batch_size * self.steps_per_generation
-        if self.per_token_credit and local_rows % self.num_generations:
+        if local_rows % self.num_generations:
             errors.append(
-                f"per_token_credit needs whole groups on each process: per_device_train_batch_size x steps_per_generation "
-                f"({local_rows}) must be divisible by num_generations ({self.num_generations})."
+                f"Each process drafts whole groups: per_device_train_batch_size x steps_per_generation ({local_rows}) "
+                f"must be divisible by num_generations ({self.num_generations})."
             )
         if errors:
             raise ValueError("Invalid PPOWConfig:\n- " + "\n- ".join(errors))

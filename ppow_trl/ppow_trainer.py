@@ -22,7 +22,7 @@ from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
 from .contexts import ContextPool, ContextSelector, score_sequence
-from .cost import CostModel, calibrate_cost_model, speedup
+from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model, speedup
 from .drafter import PPOWDrafterForCausalLM
 from .models import check_compatibility, load_target
 from .ppow_config import PPOWConfig
@@ -61,14 +61,14 @@ def accepted_tokens_to_go(prefix_acceptance: torch.Tensor) -> torch.Tensor:
 
 
 def per_token_advantages(credit: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``(G_{b,k} - mean_group G_{.,k}) / (std_group G_{.,1} + 1e-4)``, zero on padding. ``(B, K)``.
+    """Group-relative per-position advantages ``(G_{b,k} - mean_g G_{.,k}) / (std_g G_{.,k} + 1e-4)``. ``(B, K)``.
 
-    Rows are ordered group by group (``group_size`` consecutive windows share a context).
+    Rows are ordered group by group (``group_size`` consecutive windows share a context); positions a
+    window does not reach count as 0 credit; the result is 0 on padding.
     """
-    grouped = credit.view(-1, group_size, credit.shape[-1])
-    baseline = grouped.mean(dim=1, keepdim=True)
-    scale = grouped[..., 0].std(dim=1, keepdim=True).unsqueeze(-1) + 1e-4
-    return ((grouped - baseline) / scale).view_as(credit) * mask
+    grouped = (credit * mask).view(-1, group_size, credit.shape[-1])
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    return (centred / (grouped.std(dim=1, keepdim=True) + 1e-4)).view_as(credit) * mask
 
 
 class PPOWTrainer(GRPOTrainer):
@@ -127,6 +127,11 @@ class PPOWTrainer(GRPOTrainer):
         # Frozen verifier: eval mode, no gradients, never wrapped or prepared by accelerate.
         self.target = target_model.eval().requires_grad_(False)
         args.reward_weights = [1.0, args.proximity_weight]
+        if args.beta > 0 and peft_config is None and isinstance(model, PPOWDrafterForCausalLM):
+            raise ValueError(
+                "beta > 0 with a reduced-vocabulary drafter needs a peft_config (the reference is then the drafter "
+                "with its adapter disabled); or set beta=0 (the default)."
+            )
         super().__init__(
             model=model,
             reward_funcs=[speed, proximity],
@@ -143,6 +148,11 @@ class PPOWTrainer(GRPOTrainer):
         if not getattr(self.target, "hf_device_map", None) and not getattr(self.target, "is_quantized", False):
             self.target.to(self.accelerator.device)
         self._map_fused_head_labels_to_draft_rows()
+        deepspeed_plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if self.is_fsdp_enabled or (deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3):
+            # Scoring and calibration run on the main process inside unwrap_model_for_generation, which gathers
+            # sharded parameters collectively: the other ranks would deadlock.
+            raise NotImplementedError("PPOWTrainer supports DDP and DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3.")
 
         self.window_policy = AdaptiveWindowPolicy(args.max_window, args.window_threshold)
         self.cost_model = cost_model or self._initial_cost_model()
@@ -193,8 +203,10 @@ class PPOWTrainer(GRPOTrainer):
 
     def _generation_round(self) -> int:
         """Index of the generation round about to run: one round feeds steps_per_generation x num_iterations
-        micro-batches, and global_step counts gradient_accumulation_steps micro-batches each."""
-        micro_batches = self.state.global_step * self.args.gradient_accumulation_steps
+        micro-batches. Micro-batches done = global_step x gradient_accumulation_steps + those of the current
+        optimizer step (TRL's ``_step`` restarts at 0 on resume, always on a step boundary)."""
+        accumulation = self.args.gradient_accumulation_steps
+        micro_batches = self.state.global_step * accumulation + self._step % accumulation
         return micro_batches // (self.args.steps_per_generation * self.num_iterations)
 
     def _select_contexts(self, inputs: list[dict]) -> list[dict]:
@@ -295,13 +307,12 @@ class PPOWTrainer(GRPOTrainer):
 
     def _log_window_metrics(self, terms, drafted, target_probs) -> None:
         """Per-batch means through TRL's metric buffer (reduced across processes, logged via report_to)."""
-        mask = drafted.window_mask
         selected = divergence(target_probs[:, :1], drafted.drafter_probs[:, :1], self.args.selection_divergence)
         values = {
             "ppow/expected_accepted": terms["accepted"].mean(),
             "ppow/simulated_tau": terms["accepted"].mean() + 1.0,
             "ppow/window_length": terms["lengths"].float().mean(),
-            "ppow/full_window_ratio": (terms["lengths"] == mask.shape[1]).float().mean(),
+            "ppow/full_window_ratio": (terms["lengths"] == self.args.max_window).float().mean(),
             "ppow/R_speed": terms["speed"].mean(),
             "ppow/R_prox": terms["proximity"].mean(),
             "ppow/selected_divergence": selected.mean(),
@@ -324,7 +335,11 @@ class PPOWTrainer(GRPOTrainer):
             credit = torch.zeros(len(inputs), width, device=output["completion_ids"].device)
             for row, example in enumerate(inputs):
                 credit[row, : len(example["ppow_credit"])] = torch.tensor(example["ppow_credit"])
-            output["advantages"] = per_token_advantages(credit, output["completion_mask"].float(), self.num_generations)
+            mask = output["completion_mask"].float()
+            # The window advantage (R_speed, lambda R_prox, as TRL normalised it) plus per-token credit for the
+            # accepted tokens each position makes possible.
+            output["advantages"] = (output["advantages"].unsqueeze(-1) * mask
+                                    + per_token_advantages(credit, mask, self.num_generations))
         return output
 
     # ------------------------------------------------------------------ saving and resuming
@@ -353,6 +368,9 @@ class PPOWTrainer(GRPOTrainer):
             raise FileNotFoundError(f"{path} is missing: this checkpoint was not written by PPOWTrainer.")
         with open(path) as f:
             self.context_selector.load_state_dict(json.load(f))
+        if self.args.drafter_cost is None and os.path.exists(os.path.join(checkpoint, COST_MODEL_FILE)):
+            # The costs measured by the interrupted run, not a new (noisy) measurement: same rewards as before.
+            self.cost_model = CostModel.from_pretrained(checkpoint)
 
 
 def _max_positions(model) -> int:

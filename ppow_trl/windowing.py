@@ -57,8 +57,9 @@ def window_start_probabilities(
     num_valid = mask.sum()
     if num_valid == 0:
         raise ValueError("No valid window start: every position is masked out (empty responses?).")
-    weights = (scores.float().clamp_min(0.0) + eps).pow(beta) * mask
-    weighted = weights / weights.sum()
+    # (s + eps)^beta in log space: a large beta on KL scores (up to ~87 nats) would overflow to inf.
+    log_weights = beta * (scores.float().clamp_min(0.0) + eps).log()
+    weighted = torch.softmax(log_weights.masked_fill(~mask, float("-inf")).flatten(), dim=0).view_as(scores)
     uniform = mask.float() / num_valid
     return (1.0 - uniform_share) * weighted + uniform_share * uniform
 

@@ -229,8 +229,10 @@ def test_per_token_credit(tmp_path, bigram):
     credit = torch.tensor([[2.0, 1.0], [0.0, 0.0], [1.0, 1.0], [3.0, 1.0]])
     mask = torch.ones(4, 2)
     adv = per_token_advantages(credit, mask, group_size=2)
-    want_first = (credit[:2] - credit[:2].mean(0)) / (credit[:2, 0].std() + 1e-4)
-    assert torch.allclose(adv[:2], want_first)
+    for group in (slice(0, 2), slice(2, 4)):
+        want = (credit[group] - credit[group].mean(0)) / (credit[group].std(0) + 1e-4)
+        assert torch.allclose(adv[group], want)
+    assert torch.allclose(adv[:2, 0], torch.tensor([0.7071, -0.7071]), atol=1e-3)
     table, target = bigram
     trainer = PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path, per_token_credit=True),
                           train_dataset=response_dataset(target, count=8), processing_class=make_tiny_tokenizer())
@@ -264,5 +266,41 @@ def test_bad_input_fails_before_training(tmp_path, bigram):
         config(tmp_path, window_threshold=1.5)
     with pytest.raises(ValueError, match="top_p"):
         config(tmp_path, top_p=0.9)
+    with pytest.raises(ValueError, match="verify_cost"):
+        config(tmp_path, verify_cost=[1.0])
+    with pytest.raises(ValueError, match="proximity_weight"):
+        config(tmp_path, reward_weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="divisible"):  # TRL checks the global batch, we check per process
+        config(tmp_path, per_device_train_batch_size=6, num_generations=4)
     with pytest.raises(ValueError, match="processing_class"):
         PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path), train_dataset=data)
+
+
+def test_every_micro_batch_gets_its_own_generation_round(tmp_path, bigram):
+    """With gradient accumulation and a generation per micro-batch, rounds (contexts, window seeds) never repeat."""
+    table, target = bigram
+    trainer = PPOWTrainer(model=noisy_drafter(table), target_model=target,
+                          args=config(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                                      steps_per_generation=1, max_steps=2),
+                          train_dataset=response_dataset(target, count=8), processing_class=make_tiny_tokenizer())
+    rounds = []
+    original = trainer._generation_round
+    trainer._generation_round = lambda: rounds.append(original()) or rounds[-1]
+    trainer.train()
+    assert sorted(set(rounds)) == [0, 1, 2, 3]
+
+
+def test_resume_reuses_the_measured_cost_model(tmp_path, bigram):
+    table, target = bigram
+    data = response_dataset(target, count=8)
+    args = config(tmp_path, drafter_cost=None, verify_cost=None, max_steps=2, save_strategy="steps", save_steps=1)
+    first = PPOWTrainer(model=noisy_drafter(table), target_model=target, args=args, train_dataset=data,
+                        processing_class=make_tiny_tokenizer())
+    first.train()
+    saved = CostModel.from_pretrained(tmp_path / "out" / "checkpoint-1")
+    resumed = PPOWTrainer(model=noisy_drafter(table), target_model=target, args=args, train_dataset=data,
+                          processing_class=make_tiny_tokenizer())
+    resumed.cost_model = CostModel(drafter_cost=9.0, verify_cost=[1.0, 2.0, 3.0, 4.0, 5.0])  # a different measurement
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert resumed.cost_model.drafter_cost == saved.drafter_cost
+    assert resumed.cost_model.verify_cost == saved.verify_cost

@@ -1,0 +1,421 @@
+"""Speculative decoding with a PPOW drafter and its adaptive window rule (batch size 1).
+
+Each round the drafter proposes up to ``K`` tokens one by one while ``policy.keep_drafting`` holds for
+the running product of its confidences; one target forward scores the window (plus the bonus
+position); the core verification functions decide what is kept; both models keep their KV caches
+across rounds and are cropped after a rejection.
+
+Counting conventions (stated wherever tau is printed, see PPOW.md "Evaluation protocol"):
+
+- The target is prefilled with the prompt minus its last token (no logits are needed there). Every
+  round then runs exactly one target forward over ``[last committed token] + window``, which gives
+  ``p_1..p_{L+1}``. So every generated token comes from a verification round.
+- ``target_forwards`` counts every target forward call, the prefill included (0 prefill calls for a
+  one-token prompt). ``verification_forwards`` (= rounds) excludes the prefill.
+- ``tau = tokens generated / verification forwards``: the mean number of tokens a round yields,
+  bonus/correction token included (EAGLE's convention: the prefill is not a decoding step). A
+  round yields ``A + 1`` tokens, fewer only in the last round when it is cut at the first EOS.
+- Windows are capped at ``max_new_tokens - generated - 1`` tokens (as HF's assisted generation does):
+  a round can never overshoot ``max_new_tokens``, so drafting tokens that would be thrown away is
+  avoided; with one token left the round verifies an empty window (a plain target step).
+
+Greedy mode (``do_sample=False``): the drafter proposes ``argmax`` of its logits, the target's ``p``
+is one-hot (``probabilities_from_logits(logits, 0)``) and ``greedy_verify`` decides. The window rule
+still needs real confidences, so ``conf = max softmax(drafter_logits / temperature)`` (one-hot
+distributions would always give 1); ``temperature`` defaults to 1, the drafter's own distribution.
+Sampling mode: ``q = softmax(drafter_logits / temperature)`` is sampled and ``p`` uses the same
+temperature; ``speculative_sampling_verify`` decides, so the output is distributed as the target's
+own samples at that temperature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from .utils import crop_cache
+from .verification import greedy_verify, probabilities_from_logits, speculative_sampling_verify
+from .windowing import AdaptiveWindowPolicy, drafter_confidence
+
+TAU_CONVENTION = (
+    "tau = tokens generated / target verification forwards (bonus/correction token included, prefill excluded)"
+)
+
+
+@dataclass
+class SpeculativeOutput:
+    """Result of ``speculative_generate``.
+
+    ``sequences`` (1, prompt + new); ``new_tokens`` the generated ids; ``target_forwards`` every target
+    forward call, the prefill included; ``prefill_forwards`` how many of those were the prefill (0 or 1);
+    per round: ``drafted_per_round`` = ``window_lengths`` (``L``, tokens drafted = tokens verified),
+    ``accepted_per_round`` (``A`` as returned by the verifier, before any EOS cut) and
+    ``tokens_per_round`` (tokens appended: ``A + 1``, fewer only when cut after an EOS).
+    """
+
+    sequences: torch.Tensor
+    new_tokens: list[int]
+    target_forwards: int
+    prefill_forwards: int
+    drafter_forwards: int
+    drafted_per_round: list[int]
+    accepted_per_round: list[int]
+    tokens_per_round: list[int]
+    max_window: int
+    finished_by_eos: bool = False
+
+    @property
+    def window_lengths(self) -> list[int]:
+        """Window length ``L`` of each round (every drafted token is verified, so = ``drafted_per_round``)."""
+        return self.drafted_per_round
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.accepted_per_round)
+
+    @property
+    def verification_forwards(self) -> int:
+        """Target forwards excluding the prefill: one per round."""
+        return self.target_forwards - self.prefill_forwards
+
+    @property
+    def tau(self) -> float:
+        """Tokens generated per verification forward (prefill excluded, bonus token included)."""
+        return len(self.new_tokens) / self.verification_forwards
+
+    @property
+    def tau_with_prefill(self) -> float:
+        """Tokens generated per target forward, the prefill counted as one forward."""
+        return len(self.new_tokens) / self.target_forwards
+
+    def acceptance_histogram(self) -> list[int]:
+        """``hist[a]`` = number of rounds whose verifier accepted ``a`` drafted tokens, ``a = 0..K``."""
+        hist = [0] * (self.max_window + 1)
+        for accepted in self.accepted_per_round:
+            hist[accepted] += 1
+        return hist
+
+
+@dataclass
+class ExactGreedyTau:
+    """What ``exact_greedy_tau`` derives without running the loop (the same fields as the live loop's).
+
+    ``drafted_per_round`` is not included: after the first mismatch in a window, how many more tokens
+    the drafter proposes depends on confidences conditioned on its own wrong token, which the
+    teacher-forced pass does not see (and which change neither ``A`` nor the output).
+    """
+
+    tau: float
+    num_rounds: int
+    new_tokens: list[int]
+    accepted_per_round: list[int]
+    tokens_per_round: list[int]
+    target_forwards: int
+    prefill_forwards: int
+    max_window: int
+    convention: str = field(default=TAU_CONVENTION)
+
+    def acceptance_histogram(self) -> list[int]:
+        hist = [0] * (self.max_window + 1)
+        for accepted in self.accepted_per_round:
+            hist[accepted] += 1
+        return hist
+
+
+def _eos_set(target, eos_token_id) -> set[int]:
+    """``None`` -> the target's ``generation_config.eos_token_id`` (as ``generate`` does); ``[]`` disables EOS."""
+    if eos_token_id is None:
+        config = getattr(target, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+        if eos_token_id is None:
+            return set()
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    if isinstance(eos_token_id, Iterable):
+        return {int(t) for t in eos_token_id}
+    raise ValueError(f"eos_token_id must be an int, a list of ints or None; got {eos_token_id!r}.")
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _vocab_width(model) -> int:
+    """Width of the logits ``model`` returns (its output rows)."""
+    config = model.config
+    width = getattr(config, "full_vocab_size", None)  # PPOWDrafterForCausalLM scatters into this width
+    if width is None:
+        head = model.get_output_embeddings()
+        width = head.weight.shape[0] if head is not None else config.get_text_config().vocab_size
+    return int(width)
+
+
+def _shared_vocab(target, drafter, vocab_size) -> int:
+    target_width, drafter_width = _vocab_width(target), _vocab_width(drafter)
+    if vocab_size is None:
+        if target_width != drafter_width:
+            raise ValueError(
+                f"The target returns {target_width} logits and the drafter {drafter_width}: pass "
+                "vocab_size=ppow_trl.check_compatibility(target, drafter, tokenizer) to compare the shared "
+                "vocabulary only."
+            )
+        return target_width
+    vocab_size = int(vocab_size)
+    if not 0 < vocab_size <= min(target_width, drafter_width):
+        raise ValueError(
+            f"vocab_size={vocab_size} must lie in [1, {min(target_width, drafter_width)}] (the target has "
+            f"{target_width} logits, the drafter {drafter_width}); see ppow_trl.check_compatibility."
+        )
+    return vocab_size
+
+
+def _check_inputs(input_ids, max_new_tokens, policy) -> list[int]:
+    input_ids = torch.as_tensor(input_ids)
+    if input_ids.ndim == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be (1, T); got shape {tuple(input_ids.shape)}.")
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"speculative_generate supports batch size 1 only (the evaluation protocol's setting); got a batch of "
+            f"{input_ids.shape[0]}. Call it once per prompt."
+        )
+    if input_ids.shape[1] == 0:
+        raise ValueError("The prompt is empty: give at least one token.")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+    if not isinstance(policy, AdaptiveWindowPolicy):
+        raise ValueError(f"policy must be an AdaptiveWindowPolicy, got {type(policy).__name__}.")
+    return input_ids[0].tolist()
+
+
+def _forward(model, tokens: list[int], cache, start: int, **kwargs):
+    """Forward ``tokens`` at positions ``start..`` after a cache holding exactly ``start`` positions."""
+    cached = 0 if cache is None else cache.get_seq_length()
+    if cached != start:  # an internal invariant: caches must hold exactly the committed prefix
+        raise RuntimeError(f"KV cache holds {cached} positions, expected {start}.")
+    device = _model_device(model)
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
+    mask = torch.ones((1, start + len(tokens)), dtype=torch.long, device=device)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **kwargs)
+    return out.logits[0], out.cache
+
+
+def _truncate_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
+    for index, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: index + 1], True
+    return tokens, False
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    drafter,
+    input_ids,
+    *,
+    policy: AdaptiveWindowPolicy,
+    max_new_tokens: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    eos_token_id=None,
+    vocab_size: int | None = None,
+    generator: torch.Generator | None = None,
+) -> SpeculativeOutput:
+    """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (1, T) with speculative decoding.
+
+    Greedy (``do_sample=False``) output equals ``target.generate(do_sample=False)`` token for token;
+    sampled output is distributed as the target's samples at ``temperature``. ``eos_token_id``: an int
+    or a list; ``None`` uses ``target.generation_config.eos_token_id`` like ``generate`` (pass ``[]``
+    for none). ``vocab_size``: the shared vocabulary (``ppow_trl.check_compatibility``); both models'
+    logits are sliced to it. See the module docstring for the counting conventions (tau).
+    """
+    prompt = _check_inputs(input_ids, max_new_tokens, policy)
+    if temperature <= 0:
+        raise ValueError(
+            f"temperature must be > 0, got {temperature} (use do_sample=False for greedy decoding; in greedy mode "
+            "temperature only shapes the drafter confidences the window rule uses)."
+        )
+    vocab = _shared_vocab(target, drafter, vocab_size)
+    eos = _eos_set(target, eos_token_id)
+    target_temperature = temperature if do_sample else 0.0
+
+    sequence = list(prompt)
+    new_tokens: list[int] = []
+    target_cache = drafter_cache = None
+    target_forwards = prefill_forwards = drafter_forwards = 0
+    drafted, accepted_counts, emitted = [], [], []
+    finished_by_eos = False
+
+    if len(prompt) > 1:  # the target's cache holds every committed token but the last one
+        _, target_cache = _forward(target, prompt[:-1], None, 0, logits_to_keep=1)
+        prefill_forwards = target_forwards = 1
+
+    while not finished_by_eos and len(new_tokens) < max_new_tokens:
+        committed = len(sequence)
+        cap = min(policy.max_window, max_new_tokens - len(new_tokens) - 1)
+        window: list[int] = []
+        drafter_probs: list[torch.Tensor] = []
+        if cap > 0:
+            start = 0 if drafter_cache is None else drafter_cache.get_seq_length()
+            # every committed token the drafter has not cached yet (at least the last one)
+            logits, drafter_cache = _forward(drafter, sequence[start:], drafter_cache, start, logits_to_keep=1)
+            drafter_forwards += 1
+            running = torch.ones((), device=logits.device)
+            for step in range(cap):
+                step_logits = logits[-1, :vocab]
+                q = probabilities_from_logits(step_logits, temperature)
+                if do_sample:
+                    token = int(torch.multinomial(q, 1, generator=generator))
+                else:
+                    token = int(step_logits.argmax())
+                window.append(token)
+                drafter_probs.append(q)
+                running = running * drafter_confidence(q)
+                if step + 1 == cap or not bool(policy.keep_drafting(running, step + 1)):
+                    break
+                logits, drafter_cache = _forward(drafter, [token], drafter_cache, committed + step)
+                drafter_forwards += 1
+
+        length = len(window)
+        verify_start = committed - 1
+        logits, target_cache = _forward(target, sequence[verify_start:] + window, target_cache, verify_start)
+        target_forwards += 1
+        target_device = logits.device
+        p = probabilities_from_logits(logits[-(length + 1) :, :vocab], target_temperature).unsqueeze(0)
+        window_ids = torch.tensor([window], dtype=torch.long, device=target_device).view(1, length)
+        window_mask = torch.ones((1, length), dtype=torch.bool, device=target_device)
+        if do_sample:
+            q_stack = (
+                torch.stack(drafter_probs).to(target_device).unsqueeze(0)
+                if length
+                else p.new_zeros((1, 0, p.shape[-1]))
+            )
+            result = speculative_sampling_verify(window_ids, p, q_stack, window_mask, generator=generator)
+        else:
+            result = greedy_verify(window_ids, p, window_mask)
+        accepted = int(result.accepted_length[0])
+        round_tokens = window[:accepted] + [int(result.next_token[0])]
+        round_tokens = round_tokens[: max_new_tokens - len(new_tokens)]  # never cuts: windows are capped
+        round_tokens, finished_by_eos = _truncate_at_eos(round_tokens, eos)
+
+        # Both caches keep only the committed prefix: the target cached [..., last] + window, the drafter
+        # the committed tokens + window[:-1]; valid is what lies before the next token.
+        crop_cache(target_cache, committed + accepted)
+        if drafter_cache is not None:
+            crop_cache(drafter_cache, min(drafter_cache.get_seq_length(), committed + accepted))
+        sequence.extend(round_tokens)
+        new_tokens.extend(round_tokens)
+        drafted.append(length)
+        accepted_counts.append(accepted)
+        emitted.append(len(round_tokens))
+
+    device = input_ids.device if isinstance(input_ids, torch.Tensor) else torch.device("cpu")
+    return SpeculativeOutput(
+        sequences=torch.tensor([sequence], dtype=torch.long, device=device),
+        new_tokens=new_tokens,
+        target_forwards=target_forwards,
+        prefill_forwards=prefill_forwards,
+        drafter_forwards=drafter_forwards,
+        drafted_per_round=drafted,
+        accepted_per_round=accepted_counts,
+        tokens_per_round=emitted,
+        max_window=policy.max_window,
+        finished_by_eos=finished_by_eos,
+    )
+
+
+@torch.no_grad()
+def _greedy_continuation(target, prompt: list[int], num_tokens: int, vocab: int) -> list[int]:
+    """The target's greedy text, ``num_tokens`` tokens, not stopping at EOS (KV-cached, one token a step)."""
+    logits, cache = _forward(target, prompt, None, 0, logits_to_keep=1)
+    tokens = []
+    for step in range(num_tokens):
+        token = int(logits[-1, :vocab].argmax())
+        tokens.append(token)
+        if step + 1 < num_tokens:
+            logits, cache = _forward(target, [token], cache, len(prompt) + step)
+    return tokens
+
+
+@torch.no_grad()
+def exact_greedy_tau(
+    target,
+    drafter,
+    input_ids,
+    *,
+    policy: AdaptiveWindowPolicy,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    eos_token_id=None,
+    vocab_size: int | None = None,
+) -> ExactGreedyTau:
+    """tau of greedy ``speculative_generate`` without running its loop.
+
+    One target greedy pass gives the text ``x_1..x_M`` (``M = max_new_tokens``, not stopped at EOS);
+    one drafter teacher-forced pass over ``prompt + x`` gives, at each position ``t``, the drafter's
+    proposal ``g_t`` and confidence ``c_t`` (conditioned on ``prompt + x_<t``). A round starting after
+    ``s`` committed tokens drafts ``y_i``; while ``y_1..y_{i-1}`` matched, the drafter's state is
+    ``prompt + x_<s+i``, so ``y_i = g_{s+i}`` and its confidence is ``c_{s+i}``. Let ``J`` = leading
+    matches ``g_{s+i} == x_{s+i}`` and ``L`` the window length. Then ``A = min(J, L)``, and
+    ``L > J`` vs ``L <= J`` (and ``L`` itself when ``L <= J``) depends only on the keep-drafting
+    decisions after ``i <= J`` tokens, i.e. on ``c_{s+1..s+J}``: all teacher-forced. Confidences after
+    the first mismatch are the drafter's real ones conditioned on its wrong token, but they only
+    decide how many more (rejected) tokens are drafted, never ``A``. Hence
+    ``A = min(J, policy.window_lengths(c_{s+1..}), cap)`` with the same cap as the loop, the round
+    yields ``x_{s+1..s+A+1}``, and the run ends once the first EOS or ``M`` tokens are covered.
+    ``temperature``: as in greedy ``speculative_generate`` (shapes the confidences only).
+    """
+    prompt = _check_inputs(input_ids, max_new_tokens, policy)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    vocab = _shared_vocab(target, drafter, vocab_size)
+    eos = _eos_set(target, eos_token_id)
+
+    text = _greedy_continuation(target, prompt, max_new_tokens, vocab)
+    generated, _ = _truncate_at_eos(text, eos)
+    total = len(generated)
+
+    # teacher-forced drafter: row t predicts text[t] from prompt + text[:t]
+    logits, _ = _forward(drafter, prompt + text[:-1], None, 0, logits_to_keep=max_new_tokens)
+    logits = logits[-max_new_tokens:, :vocab]
+    proposals = logits.argmax(-1)
+    confidences = drafter_confidence(probabilities_from_logits(logits, temperature))
+    matches = proposals == torch.tensor(text, dtype=torch.long, device=proposals.device)
+    # pad so a window starting near the end still has K entries (those are beyond the cap, never used)
+    pad = policy.max_window
+    confidences = torch.cat([confidences, confidences.new_zeros(pad)])
+    matches = torch.cat([matches, matches.new_zeros(pad)])
+
+    done = 0
+    accepted_counts, emitted = [], []
+    while done < total:
+        cap = min(policy.max_window, max_new_tokens - done - 1)
+        if cap > 0:
+            leading = int(matches[done : done + cap].long().cumprod(0).sum())
+            length = int(policy.window_lengths(confidences[done : done + policy.max_window].unsqueeze(0))[0])
+            accepted = min(leading, length, cap)
+        else:
+            accepted = 0
+        tokens = min(accepted + 1, total - done)
+        accepted_counts.append(accepted)
+        emitted.append(tokens)
+        done += tokens
+
+    prefill = 1 if len(prompt) > 1 else 0
+    rounds = len(accepted_counts)
+    return ExactGreedyTau(
+        tau=total / rounds,
+        num_rounds=rounds,
+        new_tokens=generated,
+        accepted_per_round=accepted_counts,
+        tokens_per_round=emitted,
+        target_forwards=rounds + prefill,
+        prefill_forwards=prefill,
+        max_window=policy.max_window,
+    )
