@@ -348,9 +348,11 @@ class PPOWTrainer(GRPOTrainer):
         super()._save(output_dir, state_dict)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
-            # Generation reads the rule and the costs that training used from the drafter's folder.
-            self.window_policy.save_pretrained(output_dir)
-            self.cost_model.save_pretrained(output_dir)
+            # Generation reads the rule and the costs that training used from the drafter's folder; HF's
+            # `assistant_model=` path applies the rule through custom_generate/ (see ppow_trl/assisted.py).
+            from .assisted import write_assistant_files
+
+            write_assistant_files(output_dir, self.window_policy, self.cost_model)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
