@@ -156,7 +156,7 @@ _WARPER_SETTINGS = {
     "TemperatureLogitsWarper": ("temperature", 1.0),
     "TopKLogitsWarper": ("top_k", 0),
     "TopPLogitsWarper": ("top_p", 1.0),
-    "MinPLogitsWarper": ("min_p", None),
+    "MinPLogitsWarper": ("min_p", 0.0),  # not None: generate() would refill None from the drafter's config
     "TypicalLogitsWarper": ("typical_p", 1.0),
     "EpsilonLogitsWarper": ("epsilon_cutoff", 0.0),
     "EtaLogitsWarper": ("eta_cutoff", 0.0),

@@ -277,7 +277,8 @@ def run_benchmark(
 
     records = []
     with ExitStack() as stack:
-        originals = {d.name: d.model.generation_config for d in drafters}
+        # Copies: save_assistant (the hook method) edits the live generation_config in place.
+        originals = {d.name: copy.deepcopy(d.model.generation_config) for d in drafters}
         stack.callback(lambda: [setattr(d.model, "generation_config", originals[d.name]) for d in drafters])
         counter = CallCounter()
         stack.callback(counter.close)

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from .utils import crop_cache
 from .verification import greedy_verify, probabilities_from_logits, speculative_sampling_verify
@@ -199,6 +200,11 @@ def _forward(model, tokens: list[int], cache, start: int, **kwargs):
     if cached != start:  # an internal invariant: caches must hold exactly the committed prefix
         raise RuntimeError(f"KV cache holds {cached} positions, expected {start}.")
     device = _model_device(model)
+    if cache is None:
+        # Sliding-window (and other bounded) cache layers only allow rolling back after a rejection when
+        # they record past states, as transformers' own assisted decoding arranges.
+        cache = DynamicCache(config=model.config.get_text_config())
+        cache.activate_past_recording()
     ids = torch.tensor([tokens], dtype=torch.long, device=device)
     positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
     mask = torch.ones((1, start + len(tokens)), dtype=torch.long, device=device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from pathlib import Path
 
 import torch
 from accelerate.utils import broadcast
@@ -24,6 +25,7 @@ from trl.models.utils import unwrap_model_for_generation
 from .contexts import ContextPool, ContextSelector, score_sequence
 from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model, speedup
 from .drafter import PPOWDrafterForCausalLM
+from .model_card import render_model_card, write_model_card
 from .models import check_compatibility, load_target
 from .ppow_config import PPOWConfig
 from .rewards import divergence, proximity_reward
@@ -161,6 +163,9 @@ class PPOWTrainer(GRPOTrainer):
             uniform_share=args.selection_uniform_share, seed=args.seed,
         )
         self.last_window_rewards = None  # the latest batch's reward terms, for inspection and tests
+        # Filled by the caller (e.g. the recipe) with what the model card should say: "target", "drafter",
+        # "data", and "evaluation" (rows of ppow_trl.bench's summary) with "evaluation_setup".
+        self.model_card_info: dict = {}
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -353,6 +358,27 @@ class PPOWTrainer(GRPOTrainer):
             from .assisted import write_assistant_files
 
             write_assistant_files(output_dir, self.window_policy, self.cost_model)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """README.md for the drafter folder: target, drafter, data, hyperparameters, window rule, cost model
+        and (when ``model_card_info["evaluation"]`` is set) the measured tau / speedup table."""
+        if not self.is_world_process_zero():
+            return
+        info = self.model_card_info
+        drafter = self._unwrapped_drafter()
+        card = render_model_card(
+            model_name=model_name or Path(self.args.output_dir).name,
+            target=info.get("target", self.target.config._name_or_path or self.target.config.model_type),
+            drafter=info.get("drafter", f"{type(drafter).__name__}, {drafter.num_parameters() / 1e6:.1f}M parameters"),
+            data=info.get("data", dataset_name or f"{len(self.context_pool.responses)} target-generated responses"),
+            args=self.args,
+            policy=self.window_policy,
+            cost_model=self.cost_model,
+            evaluation=info.get("evaluation"),
+            evaluation_setup=info.get("evaluation_setup", ""),
+            hub_model_id=self.hub_model_id,
+        )
+        write_model_card(self.args.output_dir, card)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

@@ -73,8 +73,8 @@ def crop_cache(cache, length: int) -> None:
     extra = cache.get_seq_length() - length
     if extra < 0:
         raise ValueError(f"Cannot crop a cache of {cache.get_seq_length()} positions to {length}.")
-    if extra:
-        cache.crop(-extra)
+    # Also with extra == 0: sliding-window layers use the call to trim back to their window.
+    cache.crop(-extra)
 
 
 def save_json(data: dict, folder, filename: str) -> Path:

@@ -238,3 +238,26 @@ def test_padded_drafter_vocabulary_with_check_compatibility(pair):
     assert out.new_tokens == target_greedy(target, prompt, 10)
     assert exact_greedy_tau(target, padded, prompt, policy=AdaptiveWindowPolicy(3), max_new_tokens=10,
                             eos_token_id=EOS, vocab_size=vocab).tau == out.tau
+
+
+def test_sliding_window_target_rolls_back_after_rejections():
+    """Sliding-window caches refuse to crop unless they record past states (as HF's assisted loop arranges)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from ppow_trl.generation import speculative_generate
+    from ppow_trl.windowing import AdaptiveWindowPolicy
+
+    def mistral(seed, layers):
+        torch.manual_seed(seed)
+        config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                               max_position_embeddings=256, initializer_range=0.5, pad_token_id=0, eos_token_id=None)
+        return MistralForCausalLM(config).eval()
+
+    target, drafter = mistral(0, 2), mistral(1, 1)
+    prompt = torch.randint(8, 64, (1, 12), generator=torch.Generator().manual_seed(3))
+    out = speculative_generate(target, drafter, prompt, policy=AdaptiveWindowPolicy(4, 0.0), max_new_tokens=20,
+                               eos_token_id=[])
+    reference = target.generate(prompt, do_sample=False, max_new_tokens=20, min_new_tokens=20, pad_token_id=0)
+    assert out.new_tokens == reference[0, 12:].tolist()
+    assert any(a < d for a, d in zip(out.accepted_per_round, out.drafted_per_round))  # rejections happened

@@ -1,0 +1,116 @@
+"""Model cards for PPOW drafters: what was trained against what, how, and the measured tau and speedup."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .cost import CostModel
+from .windowing import AdaptiveWindowPolicy
+
+PROTOCOL = (
+    "Batch size 1. tau = tokens generated / target verification forwards (bonus token included, EAGLE's "
+    "convention). Speedup = tokens/s of the method / tokens/s of the target alone, measured in the same run "
+    "prompt by prompt (interleaved, after warm-up); median and [p25, p75] over prompts. Greedy outputs are "
+    "checked to equal the target's own greedy output token for token."
+)
+
+HYPERPARAMETERS = (
+    "max_window", "window_threshold", "num_generations", "temperature", "acceptance", "speed_reward",
+    "proximity_weight", "proximity_divergence", "selection_beta", "selection_uniform_share", "per_token_credit",
+    "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "seed",
+    "target_quantization",
+)
+
+
+def evaluation_table(summary: list[dict]) -> str:
+    """Markdown table of a benchmark summary (rows of ``ppow_trl.bench.summarize_records``)."""
+    lines = [
+        "| mode | method | tau | speedup median [p25, p75] | tokens/s | lossless |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in summary:
+        lines.append(
+            f"| {row['mode']} | {row['label']} | {row['tau']:.2f} | {row['speedup_median']:.2f} "
+            f"[{row['speedup_p25']:.2f}, {row['speedup_p75']:.2f}] | {row['tokens_per_second_median']:.1f} | "
+            f"{row.get('lossless_prompts', '-')} |"
+        )
+    return "\n".join(lines)
+
+
+def render_model_card(
+    *,
+    model_name: str,
+    target: str,
+    drafter: str,
+    data: str,
+    args,
+    policy: AdaptiveWindowPolicy,
+    cost_model: CostModel | None,
+    evaluation: list[dict] | None = None,
+    evaluation_setup: str = "",
+    hub_model_id: str | None = None,
+) -> str:
+    """The README.md of a drafter folder, with YAML front matter the Hub reads."""
+    repo = hub_model_id or model_name
+    hyper = "\n".join(f"| {name} | {getattr(args, name)} |" for name in HYPERPARAMETERS if hasattr(args, name))
+    cost = (
+        f"t_d/t_t = {cost_model.drafter_cost:.3f}; t_v(L)/t_t for L = 0..{len(cost_model.verify_cost) - 1}: "
+        + ", ".join(f"{c:.2f}" for c in cost_model.verify_cost)
+        + (f" ({cost_model.description})" if cost_model.description else "")
+        if cost_model
+        else "not measured"
+    )
+    results = (
+        f"{evaluation_setup}\n\n{evaluation_table(evaluation)}" if evaluation else "No evaluation was run with this save."
+    )
+    return f"""---
+library_name: transformers
+tags:
+- ppow
+- speculative-decoding
+- trl
+- draft-model
+---
+
+# {model_name}
+
+A speculative-decoding drafter for `{target}`, trained with PPOW (window-level RL rewards with the target
+as verifier; arXiv 2605.14978) using ppow_trl on top of TRL's GRPOTrainer.
+
+- Target (verifier): `{target}`
+- Drafter: {drafter}
+- Training data: {data}
+- Window rule: draft while the running product of drafter confidences stays >= h = {policy.threshold}, up to
+  K = {policy.max_window} tokens (saved in `ppow_window_policy.json`).
+- Cost model: {cost}
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM
+assistant = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)  # applies the window rule
+out = target.generate(**inputs, assistant_model=assistant, do_sample=False)
+```
+
+`trust_remote_code=True` loads `custom_generate/generate.py`, which applies the adaptive window inside
+transformers' assisted generation (batch size 1). Without it, transformers drafts a fixed K tokens.
+
+## Evaluation
+
+{PROTOCOL}
+
+{results}
+
+## Training hyperparameters
+
+| parameter | value |
+|---|---|
+{hyper}
+"""
+
+
+def write_model_card(folder: str | Path, card: str) -> Path:
+    path = Path(folder) / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(card)
+    return path

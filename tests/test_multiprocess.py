@@ -1,0 +1,146 @@
+"""PPOWTrainer with two CPU processes (gloo DDP), launched by torchrun and by `accelerate launch`.
+
+tests/multiprocess_train.py trains a tiny drafter for 3 steps in each process and writes what it saw; the
+checks here: both processes form one world of 2, end with identical (and changed) drafter weights, draw
+disjoint slices of the same global batch of contexts with each group of G windows on one process, and
+TRL's logged statistics are those of the union of both processes' windows.
+
+About 15 s per launch on 2 CPU cores (start-up dominates); the accelerate-launch variant is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "tests", "multiprocess_train.py")
+CPU_2PROC = os.path.join(REPO, "recipes", "accelerate_configs", "cpu_2proc.yaml")
+WORLD = 2
+STEPS = 3
+TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(command: list[str], out_dir) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PPOW_TRL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
+        env.pop(key, None)
+    result = subprocess.run(command + [SCRIPT, str(out_dir), str(STEPS)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    reports = []
+    for rank in range(WORLD):
+        path = out_dir / f"rank{rank}.json"
+        assert path.exists(), f"process {rank} wrote no report: {sorted(os.listdir(out_dir))}\n{result.stderr[-3000:]}"
+        report = json.loads(path.read_text())
+        report["weights"] = torch.load(out_dir / f"rank{rank}_weights.pt")
+        reports.append(report)
+    return reports
+
+
+@pytest.fixture(scope="module")
+def torchrun_reports(tmp_path_factory):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    return launch(command, tmp_path_factory.mktemp("torchrun"))
+
+
+@pytest.fixture(scope="module")
+def accelerate_reports(tmp_path_factory):
+    accelerate = shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("the accelerate CLI is not on PATH")
+    command = [accelerate, "launch", "--config_file", CPU_2PROC, "--main_process_port", str(free_port())]
+    return launch(command, tmp_path_factory.mktemp("accelerate"))
+
+
+def check_two_process_training(reports: list[dict]) -> None:
+    # One world of two processes, DDP over gloo.
+    for rank, report in enumerate(reports):
+        assert report["world_size"] == WORLD, report["distributed_type"]
+        assert report["process_index"] == rank
+        assert report["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert report["backend"] == "gloo"
+        assert report["wrapped_model"] == "DistributedDataParallel"
+        assert report["global_step"] == STEPS
+
+    # Same start, same end (bit for bit: DDP averages gradients), and training moved the weights.
+    first, second = reports[0]["weights"], reports[1]["weights"]
+    assert torch.equal(first["initial"], second["initial"])
+    assert torch.equal(first["final"], second["final"])
+    assert not torch.allclose(first["final"], first["initial"])
+    assert reports[0]["final_checksum"] == reports[1]["final_checksum"] != reports[0]["initial_checksum"]
+    # The divergence-aware selection scores are computed on the main process and broadcast.
+    assert reports[0]["selection_probabilities"] == reports[1]["selection_probabilities"]
+    assert len(reports[0]["selection_probabilities"]) >= 1
+
+    group = reports[0]["num_generations"]
+    for step in range(STEPS):
+        steps = [report["steps"][step] for report in reports]
+        assert len({s["round"] for s in steps}) == 1
+        # The same global draw on both processes; each takes its own contiguous slice, whole groups only.
+        global_draw = steps[0]["global_draw"]
+        assert all(s["global_draw"] == global_draw for s in steps)
+        assert len(global_draw) == WORLD * len(steps[0]["candidates"]) // group
+        local = len(global_draw) // WORLD
+        for rank, s in enumerate(steps):
+            candidates = s["candidates"]
+            assert candidates == [c for c in global_draw[rank * local:(rank + 1) * local] for _ in range(group)]
+            assert s["rollout_prompts"] == s["prompts"]
+            for g in range(0, len(candidates), group):
+                assert len(set(candidates[g:g + group])) == 1
+                assert all(p == s["prompts"][g] for p in s["prompts"][g:g + group])
+        # Different windows on the two processes (the sampling stream is seeded per process).
+        assert steps[0]["window_ids"] != steps[1]["window_ids"]
+
+        # TRL's logged statistics are over both processes' windows.
+        logs = [[h for h in report["log_history"] if "reward" in h] for report in reports]
+        assert len(logs[0]) == STEPS
+        log = logs[0][step]
+        speed = torch.tensor([x for s in steps for x in s["speed"]])
+        proximity = torch.tensor([x for s in steps for x in s["proximity"]])
+        accepted = torch.tensor([x for s in steps for x in s["accepted"]])
+        lam = reports[0]["proximity_weight"]
+        assert log["reward"] == pytest.approx((speed + lam * proximity).mean().item(), rel=1e-4, abs=1e-6)
+        assert log["rewards/speed/mean"] == pytest.approx(speed.mean().item(), rel=1e-4, abs=1e-6)
+        assert log["rewards/proximity/mean"] == pytest.approx(proximity.mean().item(), rel=1e-4, abs=1e-6)
+        assert log["ppow/R_speed"] == pytest.approx(speed.mean().item(), rel=1e-4, abs=1e-6)
+        assert log["ppow/simulated_tau"] == pytest.approx(accepted.mean().item() + 1, rel=1e-4, abs=1e-6)
+        # The reward is not the same on both processes, so the check above does see both halves.
+        local_means = [(torch.tensor(s["speed"]) + lam * torch.tensor(s["proximity"])).mean().item() for s in steps]
+        assert local_means[0] != pytest.approx(local_means[1], rel=1e-6)
+        # frac_reward_zero_std counts the groups of the global batch.
+        rewards = (speed + lam * proximity).view(-1, group)
+        zero_std = torch.isclose(rewards.std(dim=1), torch.zeros(())).float().mean().item()
+        assert log["frac_reward_zero_std"] == pytest.approx(zero_std, abs=1e-6)
+        # Both processes log the same (already reduced) numbers.
+        assert logs[1][step]["reward"] == pytest.approx(log["reward"], rel=1e-6)
+
+
+def test_two_processes_with_torchrun(torchrun_reports):
+    check_two_process_training(torchrun_reports)
+
+
+@pytest.mark.slow
+def test_two_processes_with_accelerate_launch_and_the_cpu_recipe(accelerate_reports):
+    check_two_process_training(accelerate_reports)
+
+
+@pytest.mark.slow
+def test_both_launchers_train_the_same_drafter(torchrun_reports, accelerate_reports):
+    """Same seeds, same world size: the launcher does not change what is trained."""
+    assert torch.equal(torchrun_reports[0]["weights"]["final"], accelerate_reports[0]["weights"]["final"])
