@@ -150,6 +150,14 @@ class PPOWTrainer(GRPOTrainer):
         if not getattr(self.target, "hf_device_map", None) and not getattr(self.target, "is_quantized", False):
             self.target.to(self.accelerator.device)
         self._map_fused_head_labels_to_draft_rows()
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and self.accelerator.num_processes == 1:
+            # Seen with torchrun / accelerate's MULTI_GPU+use_cpu config on machines without CUDA: every process
+            # would silently train its own drafter.
+            raise RuntimeError(
+                f"{launched} processes were launched but each sees a world of 1. On a CPU-only machine pass "
+                "--use_cpu True (PPOWConfig(use_cpu=True)) or set ACCELERATE_USE_CPU=true."
+            )
         deepspeed_plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if self.is_fsdp_enabled or (deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3):
             # Scoring and calibration run on the main process inside unwrap_model_for_generation, which gathers

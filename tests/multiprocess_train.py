@@ -1,6 +1,6 @@
 """A few PPOWTrainer steps on tiny models, meant to be launched with several processes.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/multiprocess_train.py OUT_DIR [MAX_STEPS] [--no-use-cpu]
+    python -m torch.distributed.run --nproc_per_node 2 tests/multiprocess_train.py OUT_DIR [MAX_STEPS] [--no-use-cpu] [--accumulate]
     accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml tests/multiprocess_train.py OUT_DIR
 
 Every process builds the same tiny target, drafter, tokenizer and response dataset (deterministically,
@@ -50,6 +50,9 @@ def main() -> None:
     # On a machine without CUDA, use_cpu=True is what makes transformers set up gloo: without it (and without
     # ACCELERATE_USE_CPU=true in the environment) each launched process silently trains alone (world size 1).
     use_cpu = "--no-use-cpu" not in sys.argv[3:]
+    # --accumulate: 2 micro-batches per optimizer step (one generation round of 16 rows per process feeds
+    # both) and per-token credit, the other path through _generate_and_score_completions.
+    accumulate = "--accumulate" in sys.argv[3:]
     os.makedirs(out_dir, exist_ok=True)
 
     table = easy_hard_bigram_table()
@@ -62,6 +65,7 @@ def main() -> None:
         max_steps=max_steps, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, selection_refresh_steps=2, selection_refresh_sequences=4, seed=0,
         proximity_weight=PROXIMITY_WEIGHT, use_cpu=use_cpu, **GIVEN_COST,
+        **(dict(gradient_accumulation_steps=2, per_token_credit=True) if accumulate else {}),
     )
     trainer = PPOWTrainer(model=drafter, target_model=target, args=args, train_dataset=dataset,
                           processing_class=make_tiny_tokenizer())
@@ -121,6 +125,8 @@ def main() -> None:
         "backend": getattr(acc.state, "backend", None),
         "wrapped_model": type(trainer.model_wrapped).__name__,
         "num_generations": trainer.num_generations,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "steps_per_generation": args.steps_per_generation,
         "proximity_weight": PROXIMITY_WEIGHT,
         "initial_checksum": float(initial.double().sum()),
         "final_checksum": float(final.double().sum()),
@@ -132,6 +138,8 @@ def main() -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     acc.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a clean exit: no gloo threads left at interpreter shutdown
 
 
 if __name__ == "__main__":

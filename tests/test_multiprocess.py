@@ -34,14 +34,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(command: list[str], out_dir) -> list[dict]:
+def launch(command: list[str], out_dir, *script_flags: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PPOW_TRL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
         env.pop(key, None)
-    result = subprocess.run(command + [SCRIPT, str(out_dir), str(STEPS)], cwd=REPO, env=env, capture_output=True,
+    result = subprocess.run(command + [SCRIPT, str(out_dir), str(STEPS), *script_flags], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=TIMEOUT_S)
-    assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    (out_dir / "launch.log").write_text(result.stdout + "\n" + result.stderr)
+    errors = "\n".join(line for line in result.stderr.splitlines() if "Error" in line or "error" in line)
+    assert result.returncode == 0, (
+        f"launch failed ({result.returncode}), full log in {out_dir / 'launch.log'}:\n{errors[-4000:]}\n"
+        f"{result.stderr[-3000:]}"
+    )
     reports = []
     for rank in range(WORLD):
         path = out_dir / f"rank{rank}.json"
@@ -52,11 +57,14 @@ def launch(command: list[str], out_dir) -> list[dict]:
     return reports
 
 
+def torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+
+
 @pytest.fixture(scope="module")
 def torchrun_reports(tmp_path_factory):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    return launch(command, tmp_path_factory.mktemp("torchrun"))
+    return launch(torchrun(), tmp_path_factory.mktemp("torchrun"))
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +77,7 @@ def accelerate_reports(tmp_path_factory):
 
 
 def check_two_process_training(reports: list[dict]) -> None:
+    """One generation round per optimizer step (steps_per_generation = gradient_accumulation_steps)."""
     # One world of two processes, DDP over gloo.
     for rank, report in enumerate(reports):
         assert report["world_size"] == WORLD, report["distributed_type"]
@@ -77,6 +86,7 @@ def check_two_process_training(reports: list[dict]) -> None:
         assert report["backend"] == "gloo"
         assert report["wrapped_model"] == "DistributedDataParallel"
         assert report["global_step"] == STEPS
+        assert report["steps_per_generation"] == report["gradient_accumulation_steps"]
 
     # Same start, same end (bit for bit: DDP averages gradients), and training moved the weights.
     first, second = reports[0]["weights"], reports[1]["weights"]
@@ -91,7 +101,7 @@ def check_two_process_training(reports: list[dict]) -> None:
     group = reports[0]["num_generations"]
     for step in range(STEPS):
         steps = [report["steps"][step] for report in reports]
-        assert len({s["round"] for s in steps}) == 1
+        assert [s["round"] for s in steps] == [step] * WORLD
         # The same global draw on both processes; each takes its own contiguous slice, whole groups only.
         global_draw = steps[0]["global_draw"]
         assert all(s["global_draw"] == global_draw for s in steps)
@@ -144,3 +154,12 @@ def test_two_processes_with_accelerate_launch_and_the_cpu_recipe(accelerate_repo
 def test_both_launchers_train_the_same_drafter(torchrun_reports, accelerate_reports):
     """Same seeds, same world size: the launcher does not change what is trained."""
     assert torch.equal(torchrun_reports[0]["weights"]["final"], accelerate_reports[0]["weights"]["final"])
+
+
+@pytest.mark.slow
+def test_two_processes_with_gradient_accumulation_and_per_token_credit(tmp_path):
+    """2 micro-batches per step, fed by one generation round of 2 x 8 rows per process; per-token credit."""
+    reports = launch(torchrun(), tmp_path, "--accumulate")
+    assert reports[0]["gradient_accumulation_steps"] == 2
+    assert len(reports[0]["steps"][0]["candidates"]) == 16
+    check_two_process_training(reports)
