@@ -22,6 +22,33 @@ HYPERPARAMETERS = (
 )
 
 
+STANDALONE_USAGE = """```python
+from transformers import AutoModelForCausalLM
+assistant = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)  # applies the window rule
+out = target.generate(**inputs, assistant_model=assistant, do_sample=False)
+```
+
+`trust_remote_code=True` loads `custom_generate/generate.py`, which applies the adaptive window inside
+transformers' assisted generation (batch size 1). Without it, transformers drafts a fixed K tokens."""
+
+ADAPTER_USAGE = """This folder holds a LoRA adapter. Merge it into its drafter once, and save the merged drafter with
+its window rule (the recipe's `--merge_adapter True` does this into `merged/`):
+
+```python
+from peft import PeftModel
+from ppow_trl.assisted import save_assistant, load_assistant
+from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.cost import CostModel
+drafter = PeftModel.from_pretrained(base_drafter, "{repo}").merge_and_unload()
+save_assistant(drafter, "merged", policy=AdaptiveWindowPolicy.from_pretrained("{repo}"),
+               cost_model=CostModel.from_pretrained("{repo}"), tokenizer=tokenizer)
+out = target.generate(**inputs, assistant_model=load_assistant("merged"), do_sample=False)
+```
+
+`load_assistant` loads with `trust_remote_code=True`, which applies the adaptive window inside transformers'
+assisted generation (batch size 1)."""
+
+
 def evaluation_table(summary: list[dict]) -> str:
     """Markdown table of a benchmark summary (rows of ``ppow_trl.bench.summarize_records``)."""
     lines = [
@@ -49,6 +76,7 @@ def render_model_card(
     evaluation: list[dict] | None = None,
     evaluation_setup: str = "",
     hub_model_id: str | None = None,
+    adapter: bool = False,
 ) -> str:
     """The README.md of a drafter folder, with YAML front matter the Hub reads."""
     repo = hub_model_id or model_name
@@ -60,6 +88,7 @@ def render_model_card(
         if cost_model
         else "not measured"
     )
+    usage = ADAPTER_USAGE.format(repo=repo) if adapter else STANDALONE_USAGE.format(repo=repo)
     results = (
         f"{evaluation_setup}\n\n{evaluation_table(evaluation)}" if evaluation else "No evaluation was run with this save."
     )
@@ -80,20 +109,13 @@ as verifier; arXiv 2605.14978) using ppow_trl on top of TRL's GRPOTrainer.
 - Target (verifier): `{target}`
 - Drafter: {drafter}
 - Training data: {data}
-- Window rule: draft while the running product of drafter confidences stays >= h = {policy.threshold}, up to
+- Window rule (calibrated on held-out contexts after training): draft while the running product of drafter confidences stays >= h = {policy.threshold}, up to
   K = {policy.max_window} tokens (saved in `ppow_window_policy.json`).
 - Cost model: {cost}
 
 ## Use
 
-```python
-from transformers import AutoModelForCausalLM
-assistant = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)  # applies the window rule
-out = target.generate(**inputs, assistant_model=assistant, do_sample=False)
-```
-
-`trust_remote_code=True` loads `custom_generate/generate.py`, which applies the adaptive window inside
-transformers' assisted generation (batch size 1). Without it, transformers drafts a fixed K tokens.
+{usage}
 
 ## Evaluation
 

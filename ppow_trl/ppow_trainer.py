@@ -385,6 +385,7 @@ class PPOWTrainer(GRPOTrainer):
             evaluation=info.get("evaluation"),
             evaluation_setup=info.get("evaluation_setup", ""),
             hub_model_id=self.hub_model_id,
+            adapter=hasattr(self.accelerator.unwrap_model(self.model), "peft_config"),
         )
         write_model_card(self.args.output_dir, card)
 

@@ -61,6 +61,7 @@ def test_pipeline_runs_on_tiny_models(tmp_path):
         assert (out / name).exists(), name
     card = (out / "README.md").read_text()
     assert "fast_adaptive" in card and "tau" in card and "trust_remote_code=True" in card
+    assert "LoRA adapter" in card and "merge_and_unload" in card  # an adapter folder says how to use it
     assert trainer.state.global_step == 2
     # the merged standalone drafter loads as an assistant and stays lossless
     from ppow_trl.assisted import load_assistant
