@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .contexts import score_sequence
 from .cost import calibrate_cost_model, overall_speedup, speedup
 from .data import build_target_responses, load_mtbench, recover_json_records, sharegpt_json_path
 from .models import build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter
@@ -25,11 +26,10 @@ from .offline import smollm2_path
 from .rewards import proximity_reward, window_reward
 from .rollout import draft_windows, target_window_probs
 from .utils import cache_root, set_cpu_threads
-from .verification import acceptance_probabilities, expected_accepted_length, greedy_accepted_length, prefix_acceptance_probabilities
+from .verification import window_prefix_acceptance
 from .windowing import (
     AdaptiveWindowPolicy,
     calibrate_window_policy,
-    divergence_scores,
     policy_speedup,
     sample_window_starts,
     window_start_probabilities,
@@ -70,11 +70,6 @@ def one_per_category_first(prompts, count):
     """MT-bench ordered so that the first 8 cover the 8 categories."""
     order = sorted(range(len(prompts)), key=lambda i: (i % 10, i))
     return prompts.select(order[:count])
-
-
-@torch.no_grad()
-def teacher_forced_probs(model, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return torch.softmax(model(ids[None]).logits[0, :, :vocab_size].float(), -1)
 
 
 def main(argv=None):
@@ -122,10 +117,7 @@ def main(argv=None):
     scores, masks = [], []
     width = max(len(r) for r in responses)
     for prompt, response in zip(prompt_ids, responses):
-        ids = torch.cat([prompt, response])
-        p = teacher_forced_probs(target, ids, vocab_size)[len(prompt) - 1 : -1]
-        q = teacher_forced_probs(drafter, ids, vocab_size)[len(prompt) - 1 : -1]
-        row = divergence_scores(p, q, kind="kl")
+        row = score_sequence(target, drafter, torch.cat([prompt, response]), len(prompt), vocab_size=vocab_size, kind="kl")
         scores.append(torch.nn.functional.pad(row, (0, width - len(row))))
         masks.append(torch.arange(width) < len(row))
     starts_probs = window_start_probabilities(torch.stack(scores), torch.stack(masks), beta=args.beta)
@@ -144,13 +136,8 @@ def main(argv=None):
                                 vocab_size=vocab_size, generator=generator)
         p = target_window_probs(target, contexts, drafted.window_ids, pad_id=pad_id, temperature=temperature, vocab_size=vocab_size)
         mask = drafted.window_mask
-        if temperature == 0:
-            accepted = greedy_accepted_length(drafted.window_ids, p, mask).float()
-            prefix = (accepted.unsqueeze(-1) > torch.arange(mask.shape[1])).float()
-        else:
-            alpha = acceptance_probabilities(drafted.window_ids, p, drafted.drafter_probs, mask)
-            accepted = expected_accepted_length(alpha, mask)
-            prefix = prefix_acceptance_probabilities(alpha, mask)
+        prefix = window_prefix_acceptance(drafted.window_ids, p, drafted.drafter_probs, mask, greedy=temperature == 0)
+        accepted = prefix.sum(-1)
         lengths = mask.sum(-1)
         r_speed = speedup(accepted, lengths, cost)
         r_prox = proximity_reward(p, drafted.drafter_probs, mask, kind="tv")

@@ -30,12 +30,7 @@ from .models import check_compatibility, load_target
 from .ppow_config import PPOWConfig
 from .rewards import divergence, proximity_reward
 from .rollout import draft_windows, target_window_probs
-from .verification import (
-    acceptance_probabilities,
-    expected_accepted_length,
-    greedy_accepted_length,
-    prefix_acceptance_probabilities,
-)
+from .verification import window_prefix_acceptance
 from .windowing import AdaptiveWindowPolicy
 
 SELECTOR_STATE_FILE = "ppow_context_selector.json"
@@ -268,13 +263,9 @@ class PPOWTrainer(GRPOTrainer):
         Returns ``accepted`` (E[A|y], or A when ``acceptance="greedy"``), ``prefix`` (P(A >= k)),
         ``lengths`` (L), ``speed`` (R_speed) and ``proximity`` (R_prox).
         """
-        if self.args.acceptance == "greedy":
-            accepted = greedy_accepted_length(window_ids, target_probs, window_mask).float()
-            prefix = (accepted.unsqueeze(-1) > torch.arange(window_ids.shape[1], device=accepted.device)).float()
-        else:
-            alpha = acceptance_probabilities(window_ids, target_probs, drafter_probs, window_mask)
-            accepted = expected_accepted_length(alpha, window_mask)
-            prefix = prefix_acceptance_probabilities(alpha, window_mask)
+        prefix = window_prefix_acceptance(window_ids, target_probs, drafter_probs, window_mask,
+                                          greedy=self.args.acceptance == "greedy")
+        accepted = prefix.sum(dim=-1)  # A (greedy) or E[A|y] = sum_k prod_{i<=k} alpha_i
         lengths = window_mask.sum(-1)
         r_speed = speedup(accepted, lengths, self.cost_model) if self.args.speed_reward == "cost" else accepted + 1.0
         r_prox = proximity_reward(target_probs, drafter_probs, window_mask, kind=self.args.proximity_divergence)

@@ -116,6 +116,25 @@ def expected_accepted_length(alpha: torch.Tensor, window_mask: torch.Tensor) -> 
     return prefix_acceptance_probabilities(alpha, window_mask).sum(dim=-1)
 
 
+def window_prefix_acceptance(
+    window_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    drafter_probs: torch.Tensor,
+    window_mask: torch.Tensor,
+    greedy: bool = False,
+) -> torch.Tensor:
+    """``P(A >= k | y)`` for ``k = 1..K``, under either verification. ``(B, K)`` float32.
+
+    Greedy: the 0/1 indicators ``[A >= k]`` of the leading matches with the target's argmax. Speculative
+    sampling: ``prod_{i<=k} alpha_i``. Summing over ``k`` gives ``A`` or ``E[A|y]``; a shorter window's
+    value is a prefix sum (what window-policy calibration uses).
+    """
+    if greedy:
+        return greedy_acceptance(window_ids, target_probs, window_mask).long().cumprod(dim=-1).float()
+    alpha = acceptance_probabilities(window_ids, target_probs, drafter_probs, window_mask)
+    return prefix_acceptance_probabilities(alpha, window_mask)
+
+
 def residual_distribution(target_probs: torch.Tensor, drafter_probs: torch.Tensor) -> torch.Tensor:
     """``norm(max(p - q, 0))`` over the last dimension: what to sample after rejecting a drafted token.
 

@@ -30,7 +30,7 @@ from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_cover
 from ppow_trl.model_card import PROTOCOL
 from ppow_trl.rollout import draft_windows, target_window_probs
 from ppow_trl.utils import cache_root, set_cpu_threads
-from ppow_trl.verification import acceptance_probabilities, greedy_accepted_length, prefix_acceptance_probabilities
+from ppow_trl.verification import window_prefix_acceptance
 from ppow_trl.windowing import AdaptiveWindowPolicy, calibrate_window_policy
 
 logger = logging.getLogger("ppow_llama")
@@ -114,12 +114,7 @@ def calibration_rollouts(target, drafter, tokenizer, data, args: PPOWConfig, voc
                                 vocab_size=vocab, generator=torch.Generator().manual_seed(args.seed))
         p = target_window_probs(target, contexts, drafted.window_ids, pad_id=tokenizer.pad_token_id,
                                 temperature=temperature if greedy else args.verify_temperature, vocab_size=vocab)
-    if greedy:
-        accepted = greedy_accepted_length(drafted.window_ids, p, drafted.window_mask)
-        prefix = (accepted.unsqueeze(-1) > torch.arange(args.max_window)).float()
-    else:
-        alpha = acceptance_probabilities(drafted.window_ids, p, drafted.drafter_probs, drafted.window_mask)
-        prefix = prefix_acceptance_probabilities(alpha, drafted.window_mask)
+    prefix = window_prefix_acceptance(drafted.window_ids, p, drafted.drafter_probs, drafted.window_mask, greedy=greedy)
     return drafted.confidences, prefix
 
 

@@ -238,3 +238,18 @@ def test_bad_shapes_raise_clear_errors():
         greedy_accepted_length(torch.zeros(2, 3, dtype=torch.long), p, torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="temperature"):
         probabilities_from_logits(torch.randn(3), -1.0)
+
+
+def test_window_prefix_acceptance_sums_to_the_accepted_length():
+    from ppow_trl.verification import window_prefix_acceptance
+
+    g = torch.Generator().manual_seed(7)
+    p = random_probs(g, 6, 5, 8)
+    q = random_probs(g, 6, 4, 8)
+    window = q.argmax(-1)
+    mask = lengths_to_mask(torch.tensor([0, 1, 2, 3, 4, 4]), 4)
+    greedy = window_prefix_acceptance(window, p, q, mask, greedy=True)
+    assert torch.equal(greedy.sum(-1), greedy_accepted_length(window, p, mask).float())
+    assert set(greedy.unique().tolist()) <= {0.0, 1.0} and (greedy[:, 1:] <= greedy[:, :-1]).all()
+    sampled = window_prefix_acceptance(window, p, q, mask)
+    assert torch.allclose(sampled.sum(-1), expected_accepted_length(acceptance_probabilities(window, p, q, mask), mask))
