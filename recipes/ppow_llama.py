@@ -99,6 +99,14 @@ class PPOWScriptArguments:
             raise ValueError(f"num_train_prompts must be >= 2 (training and calibration), got {self.num_train_prompts}.")
 
 
+def _named(field_name: str, value, build):
+    """Run ``build()``; a failure names the config field that caused it (bad configs fail fast and say where)."""
+    try:
+        return build()
+    except (OSError, ValueError, ImportError) as error:
+        raise type(error)(f"--{field_name} {value!r}: {error}") from error
+
+
 def calibration_rollouts(target, drafter, tokenizer, data, args: PPOWConfig, vocab: int, max_contexts: int = 64):
     """Drafter windows of K tokens on held-out contexts and their prefix acceptance P(A >= k)."""
     contexts = []
@@ -125,7 +133,8 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
 
     logger.info("Target %s (quantization %s, %d CPU threads)", script_args.target_model,
                 training_args.target_quantization, threads)
-    target = load_target(script_args.target_model, quantization=training_args.target_quantization)
+    target = _named("target_model", script_args.target_model,
+                    lambda: load_target(script_args.target_model, quantization=training_args.target_quantization))
     tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
     vocab = len(tokenizer)
 
@@ -143,8 +152,9 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
                                         always_include=tokenizer.all_special_ids)
         logger.info("Draft vocabulary of %d ids covers %.1f%% of the held-out target tokens", len(draft_vocab),
                     100 * draft_vocab_coverage(draft_vocab, calibration_data["response_ids"]))
-    drafter = make_drafter(target, num_layers=None if script_args.drafter_model else script_args.drafter_layers,
-                           pretrained=script_args.drafter_model, draft_vocab_ids=draft_vocab, target_tokenizer=tokenizer)
+    drafter = _named("drafter_model", script_args.drafter_model, lambda: make_drafter(
+        target, num_layers=None if script_args.drafter_model else script_args.drafter_layers,
+        pretrained=script_args.drafter_model, draft_vocab_ids=draft_vocab, target_tokenizer=tokenizer))
 
     if script_args.kd_steps:
         topk = compute_target_topk(target, train_data, top_k=32, batch_size=8, cache_dir=cache / "topk")

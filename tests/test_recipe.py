@@ -71,3 +71,24 @@ def test_pipeline_runs_on_tiny_models(tmp_path):
     ids = torch.tensor([[2, 4, 9, 10, 3, 2, 5]])
     assert torch.equal(target.generate(ids, assistant_model=assistant, do_sample=False, max_new_tokens=8),
                        target.generate(ids, do_sample=False, max_new_tokens=8))
+
+
+def test_missing_target_and_incompatible_drafter_fail_naming_the_field(tmp_path):
+    parser = ppow_llama.make_parser()
+    base = ["--output_dir", str(tmp_path / "out"), "--report_to", "none", "--num_generations", "4",
+            "--per_device_train_batch_size", "8"]
+    script, training, model = parser.parse_args_and_config(args=base + ["--target_model", str(tmp_path / "nowhere")])
+    with pytest.raises(OSError, match="--target_model"):
+        ppow_llama.main(script, training, model)
+
+    target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
+    make_tiny_llama(num_layers=2, seed=0).save_pretrained(target_dir)
+    make_tiny_tokenizer().save_pretrained(target_dir)
+    make_tiny_llama(num_layers=1, seed=1, vocab_size=68).save_pretrained(drafter_dir)
+    make_tiny_tokenizer(extra_words=4).save_pretrained(drafter_dir)  # another tokenizer
+    args = base + ["--target_model", str(target_dir), "--drafter_model", str(drafter_dir), "--draft_vocab_size", "0",
+                   "--train_prompts", str(write_prompts(tmp_path / "train.jsonl", 4, 0)), "--num_train_prompts", "4",
+                   "--max_new_tokens", "4", "--cache_dir", str(tmp_path / "cache")]
+    script, training, model = parser.parse_args_and_config(args=args)
+    with pytest.raises(ValueError, match="--drafter_model"):
+        ppow_llama.main(script, training, model)
