@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0.dev0"
 
+# First, before anything imports trl: an ImportError naming the supported range when another trl is installed
+# (PPOWTrainer overrides private methods of trl 1.16's GRPOTrainer). The check runs when _compat is imported.
+from . import _compat  # noqa: F401
+
 # Importing the drafter module registers the `ppow_drafter` model type with AutoConfig and
 # AutoModelForCausalLM, so `AutoModelForCausalLM.from_pretrained(saved_drafter)` works after `import ppow_trl`.
 from .cost import CostModel, calibrate_cost_model, overall_speedup, speedup

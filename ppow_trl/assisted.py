@@ -9,25 +9,20 @@ Route (transformers 5.24, checked in its ``generation/candidate_generator.py`` a
   max_new_tokens=min(num_assistant_tokens, room left), generation_config=<copy of the target's config with
   is_assistant=True, output_scores=True, return_dict_in_generate=True>, logits_processor=<the target's>,
   cache=..., attention_mask=...)`` and uses the returned ``scores`` as the drafter distributions ``q``.
-- ``from_pretrained(folder, trust_remote_code=True)`` on a folder holding ``custom_generate/generate.py``
-  replaces the loaded model's ``generate`` with ``functools.partial(generate, model=model)``.
+- Replacing the drafter's ``generate`` by ``functools.partial(generate, model=drafter)`` is HF's documented
+  hook: ``from_pretrained(folder, trust_remote_code=True)`` does it with a folder's ``custom_generate/generate.py``.
 
-So ``save_assistant`` sets the drafter's generation config for HF (``num_assistant_tokens = K``, schedule
-``"constant"`` so HF never changes K, ``assistant_confidence_threshold = 0``: HF's per-token rule and its
-ROC-based re-tuning are off) and writes ``custom_generate/generate.py``, whose ``generate`` adds, only when
-HF calls it as an assistant (``generation_config.is_assistant``), a stopping criterion implementing our
-running-product rule (``AdaptiveWindowPolicy``): after the ``i``-th drafted token, stop unless
-``prod_{j<=i} max_v q_j(v) >= h`` and ``i < K``. So the first token is always drafted and the token that
-pushes the product below ``h`` is still proposed. ``q_j = softmax(scores_j)``, where ``scores_j`` are the
-drafter's logits after the target's logits processors, i.e. exactly the distribution HF's loop drafts from
-and verifies against: greedy (``do_sample=False``, no processors) gives ``softmax(logits)`` (T = 1, as in
-``ppow_trl.generation``); sampling gives ``softmax(logits / T)`` at the sampling temperature (after any
-top-k/top-p the user set). (Stock transformers 5.24 warps the drafter twice when sampling: the processor list
-HF passes to the drafter is the target's, warpers included, and the drafter's ``generate`` adds the same
-warpers again from the same config, so the drafter would draft at ``T^2``. The hook switches the second copy
-off, so the drafter drafts at ``T`` as in ``ppow_trl.generation`` and in PPOW training.) The rule only
-decides *how many* tokens are proposed; HF verifies them as usual, so the output stays lossless (greedy: the
-target's own greedy text; sampling: the target's distribution) whatever the window lengths.
+So a drafter folder gets a generation config set for HF (``configure_generation_config``:
+``num_assistant_tokens = K``, schedule ``"constant"`` so HF never changes K, ``assistant_confidence_threshold = 0``:
+HF's per-token rule and its ROC-based re-tuning are off, and the policy under ``ppow_window_policy``), and
+the hook is ``ppow_trl/custom_generate/generate.py``, a module of this package that ``save_assistant`` copies
+verbatim into the folder. Its ``generate`` adds, only when HF calls it as an assistant, a stopping criterion
+implementing our running-product rule (``AdaptiveWindowPolicy``): after the ``i``-th drafted token, stop unless
+``prod_{j<=i} conf_j >= h`` and ``i < K``, ``conf_j = max_v softmax(z_j / T_c)`` of the drafter's raw logits at
+the policy's confidence temperature (the module's docstring says how it recovers ``z`` from the processed
+scores HF hands a stopping criterion, and what top-k / top-p do to the confidences). The rule only decides
+*how many* tokens are proposed; HF verifies them as usual, so the output stays lossless (greedy: the target's
+own greedy text; sampling: the target's distribution) whatever the window lengths.
 
 Why this route: it is HF's documented hook, works for any drafter class (plain causal LMs and
 ``PPOWDrafterForCausalLM`` alike) without subclassing, keeps HF's candidate generator, caches and
@@ -35,25 +30,51 @@ verification untouched, and the folder carries its policy (``ppow_window_policy.
 ``generation_config.json``) and cost model (``ppow_cost_model.json``). ``target.generate(custom_generate=...)``
 would not do: it replaces the whole decoding loop and does not forward ``assistant_model``.
 
-What the user writes::
+What the user writes:
 
-    import ppow_trl  # only needed for reduced-vocabulary drafters (PPOWDrafterForCausalLM), see below
-    drafter = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)  # or load_assistant(folder)
-    out = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=256)
+- With ppow_trl installed, **no remote code** (the default)::
 
-- ``trust_remote_code=True`` is required: it is what makes transformers run ``custom_generate/generate.py``.
-  Without it the drafter still works as an HF assistant but with a fixed window of ``K`` tokens (the
-  generation config's ``num_assistant_tokens``), not our adaptive rule. Passing ``generation_config=`` to
-  ``from_pretrained`` also skips the hook (transformers only loads it from the folder); ``load_assistant``
-  installs it in every case.
-- ``custom_generate/generate.py`` needs only torch and transformers (not ppow_trl).
-- A ``PPOWDrafterForCausalLM`` folder (``model_type = "ppow_drafter"``, reduced vocabulary) also gets
-  ``modeling_ppow_drafter.py`` (a copy of ``ppow_trl/drafter.py`` without its Auto-class registration) and an
-  ``auto_map`` in ``config.json``, so ``trust_remote_code=True`` loads it even where ppow_trl is not installed.
-  Where ppow_trl *is* imported first, transformers prefers the classes ppow_trl registered (a non-transformers
-  local registration beats ``auto_map``: ``explicit_local_code`` in ``auto_factory.py``), so the model is a real
-  ``ppow_trl.PPOWDrafterForCausalLM``. Import ppow_trl before loading if you also pass the drafter to ppow_trl
-  functions: a model built from the copied class fails their ``isinstance`` checks.
+      from ppow_trl.assisted import load_assistant
+      drafter = load_assistant("my-drafter")                          # a folder, or
+      drafter = load_assistant("you/ppow-drafter", revision="<commit>")  # a Hub repo id
+      out = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=256)
+
+  ``load_assistant`` loads the weights with ``AutoModelForCausalLM.from_pretrained`` (``import ppow_trl``
+  registers ``PPOWDrafterForCausalLM``), reads the policy with ``AdaptiveWindowPolicy.from_pretrained`` and
+  installs ppow_trl's own copy of the hook in memory (``attach_window_policy``). Nothing from the folder is
+  executed. ``attach_window_policy(drafter, policy)`` does the same for a drafter already in memory.
+
+- Without ppow_trl, opting into remote code::
+
+      drafter = AutoModelForCausalLM.from_pretrained("you/ppow-drafter", trust_remote_code=True, revision="<commit>")
+
+  Then transformers executes two files of the repo, at the revision it fetched:
+
+  * ``custom_generate/generate.py`` (always): a byte-identical copy of ``ppow_trl/custom_generate/generate.py``
+    of the ppow_trl version that saved it. On import it imports copy, json, os, torch and transformers'
+    stopping criteria and defines functions; each ``generate`` call may read ``ppow_window_policy.json`` next
+    to the weights, copies the generation config, appends the stopping criterion and calls the model class's
+    own ``generate``. No network, no file writes, no subprocess.
+  * ``modeling_ppow_drafter.py`` (reduced-vocabulary drafters only, through ``auto_map`` in ``config.json``):
+    a copy of ``ppow_trl/drafter.py`` with its two Auto-class registration lines commented out. On import it
+    imports torch, huggingface_hub's ``strict`` dataclass decorator and transformers, and defines
+    ``PPOWDrafterConfig`` and ``PPOWDrafterForCausalLM`` (the target architecture's body, built with
+    ``AutoModel.from_config``, plus a head over the draft vocabulary scattered into full-width logits).
+    Where ppow_trl is imported first, transformers prefers ppow_trl's registered classes (a non-transformers
+    local registration beats ``auto_map``: ``explicit_local_code`` in ``auto_factory.py``) and this file is
+    not used for the model.
+
+  Remote code runs with your privileges, and a repo's files can change after you read them: pass
+  ``revision=`` (a commit hash you reviewed) with ``trust_remote_code=True``. ``load_assistant(...,
+  trust_remote_code=True)`` does the same as this call, then sets the policy and, if transformers skipped the
+  folder's hook (``generation_config=`` was passed, or an old folder has no ``custom_generate/``), installs
+  ppow_trl's.
+
+- Without ``trust_remote_code`` and without ppow_trl, HF ignores ``custom_generate/`` and drafts a fixed
+  ``K`` tokens (``num_assistant_tokens``), not our adaptive rule.
+
+Other notes:
+
 - Batch size 1 only (HF's assisted decoding refuses larger batches).
 - HF also ends a window at EOS (the target's EOS; the drafter's own when the target has none), and caps it at
   the room left before ``max_new_tokens`` (``ppow_trl.generation`` uses the same cap). Any other stopping
@@ -61,154 +82,32 @@ What the user writes::
 - A PEFT adapter folder (what ``PPOWTrainer`` writes when it trains a LoRA) holds the policy, cost model and
   ``custom_generate`` files, but HF loads an adapter through its base model's folder, so the hook and the
   window settings only apply after merging: ``save_assistant(peft_model.merge_and_unload(), folder, ...)``.
+  The policy and cost model of an adapter folder or repo load with ``AdaptiveWindowPolicy.from_pretrained`` /
+  ``CostModel.from_pretrained`` (a folder or a Hub id, ``revision=`` passed on).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 from .cost import COST_MODEL_FILE, CostModel
+from .custom_generate import generate as _custom_generate_module
+from .custom_generate.generate import generate as _hook_generate
+from .utils import _looks_like_repo_id
 from .windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
 
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
-GENERATION_CONFIG_KEY = "ppow_window_policy"
-"""Attribute of the drafter's ``generation_config`` (and key of ``generation_config.json``) holding ``K, h``."""
+GENERATION_CONFIG_KEY = _custom_generate_module.PPOW_GENERATION_CONFIG_KEY
+"""Attribute of the drafter's ``generation_config`` (and key of ``generation_config.json``) holding the policy."""
+HOOK_SOURCE = Path(_custom_generate_module.__file__)
+"""``ppow_trl/custom_generate/generate.py``: the file ``write_assistant_files`` copies into drafter folders."""
 
-# The source of `custom_generate/generate.py`. Kept as text so that the file written into a drafter folder
-# and the hook `attach_window_policy` installs in memory are the same code (it is exec'd below).
-GENERATE_PY = '''\
-"""PPOW adaptive windows for Hugging Face assisted generation (written by ppow_trl.assisted).
-
-transformers runs this file when the drafter is loaded with
-`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`: the drafter's `generate` becomes
-`functools.partial(generate, model=drafter)`. When the target's assisted loop
-(`target.generate(..., assistant_model=drafter)`) asks the drafter for a window, this adds a stopping
-criterion: after the i-th drafted token, stop unless prod_{j<=i} max_v q_j(v) >= h and i < K, where
-q_j = softmax of the drafter's processed scores (the distribution HF drafts from and verifies against).
-The first token is always drafted; the token that pushes the product below h is still proposed.
-K and h come from `generation_config.ppow_window_policy` (else from ppow_window_policy.json next to the
-weights). Called directly (not as an assistant), the drafter generates as usual.
-Needs only torch and transformers.
-"""
-
-import copy
-import json
-import os
-
-import torch
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
-
-PPOW_WINDOW_POLICY_FILE = "ppow_window_policy.json"
-PPOW_GENERATION_CONFIG_KEY = "ppow_window_policy"
-
-
-class PPOWWindowCriteria(StoppingCriteria):
-    """Running-product window rule of ppow_trl's AdaptiveWindowPolicy, for one drafting call.
-
-    `scores` is the tuple of processed scores of this `generate` call (one entry per drafted token); HF's
-    assisted loop always asks the drafter for them (`output_scores=True`).
-    """
-
-    def __init__(self, max_window, threshold):
-        max_window, threshold = int(max_window), float(threshold)
-        if max_window < 1 or not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"Invalid PPOW window policy: K={max_window} (need >= 1), h={threshold} (need [0, 1]).")
-        self.max_window = max_window
-        self.threshold = threshold
-        self.running = None
-        self.num_drafted = 0
-
-    def __call__(self, input_ids, scores, **kwargs):
-        if scores is None:
-            raise ValueError(
-                "The PPOW window rule needs the drafter's scores: call generate with output_scores=True and "
-                "return_dict_in_generate=True (HF's assisted generation does)."
-            )
-        while self.num_drafted < len(scores):
-            confidence = torch.softmax(scores[self.num_drafted].float(), dim=-1).amax(dim=-1)
-            self.running = confidence if self.running is None else self.running * confidence
-            self.num_drafted += 1
-        keep = (self.running >= self.threshold) & (self.num_drafted < self.max_window)
-        return ~keep.to(input_ids.device)
-
-
-def ppow_window_policy(model):
-    """`{"max_window": K, "threshold": h}` of `model`: its generation config, else its folder's JSON file."""
-    policy = getattr(getattr(model, "generation_config", None), PPOW_GENERATION_CONFIG_KEY, None)
-    if policy is None:
-        path = os.path.join(str(getattr(model, "name_or_path", "") or ""), PPOW_WINDOW_POLICY_FILE)
-        if os.path.isfile(path):
-            with open(path) as f:
-                policy = json.load(f)
-    if policy is None:
-        raise ValueError(
-            f"This drafter has no PPOW window policy: neither `generation_config.{PPOW_GENERATION_CONFIG_KEY}` nor "
-            f"{PPOW_WINDOW_POLICY_FILE} next to its weights. Save it with ppow_trl.assisted.save_assistant."
-        )
-    return {"max_window": int(policy["max_window"]), "threshold": float(policy["threshold"])}
-
-
-# Sampling warpers `generate` adds from the generation config, by class name -> the setting that disables it.
-_WARPER_SETTINGS = {
-    "TemperatureLogitsWarper": ("temperature", 1.0),
-    "TopKLogitsWarper": ("top_k", 0),
-    "TopPLogitsWarper": ("top_p", 1.0),
-    "MinPLogitsWarper": ("min_p", 0.0),  # not None: generate() would refill None from the drafter's config
-    "TypicalLogitsWarper": ("typical_p", 1.0),
-    "EpsilonLogitsWarper": ("epsilon_cutoff", 0.0),
-    "EtaLogitsWarper": ("eta_cutoff", 0.0),
-    "TopHLogitsWarper": ("top_h", None),
-}
-
-
-def _assistant_generation_config(generation_config, logits_processor):
-    """The config HF passes, minus what would cut our windows or warp the drafter twice.
-
-    - HF's own per-token `assistant_confidence_threshold` rule: our rule replaces it.
-    - Sampling: the `logits_processor` HF passes is the target's, warpers included, and `generate` adds the
-      warpers of the (same) config again, so the drafter would sample at T^2 (transformers 5.24). Turning the
-      config's copy of each warper already in the list off makes the drafter sample from exactly the processing
-      the target applies (T once), as ppow_trl's own loop and training do. Lossless either way: HF verifies
-      against the scores the drafter really sampled from.
-    """
-    changes = {}
-    if getattr(generation_config, "assistant_confidence_threshold", None):
-        changes["assistant_confidence_threshold"] = 0.0
-    if getattr(generation_config, "do_sample", False):
-        for processor in logits_processor or []:
-            setting = _WARPER_SETTINGS.get(type(processor).__name__)
-            if setting is not None and hasattr(generation_config, setting[0]):
-                changes[setting[0]] = setting[1]
-    if not changes:
-        return generation_config
-    generation_config = copy.copy(generation_config)
-    for name, value in changes.items():
-        setattr(generation_config, name, value)
-    return generation_config
-
-
-def generate(*args, model, **kwargs):
-    generation_config = kwargs.get("generation_config")
-    if generation_config is not None and getattr(generation_config, "is_assistant", False):
-        policy = ppow_window_policy(model)
-        kwargs["generation_config"] = _assistant_generation_config(generation_config, kwargs.get("logits_processor"))
-        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
-        criteria.append(PPOWWindowCriteria(policy["max_window"], policy["threshold"]))
-        kwargs["stopping_criteria"] = criteria
-    # The class's generate (GenerationMixin's or the model's override), not this instance's replacement.
-    return type(model).generate(model, *args, **kwargs)
-'''
-
-
-@functools.lru_cache(maxsize=1)
-def _hook() -> dict:
-    """The namespace of ``GENERATE_PY`` run in memory (for drafters whose ``generate`` is not the folder's)."""
-    namespace: dict = {"__name__": "ppow_trl_custom_generate"}
-    exec(compile(GENERATE_PY, "<ppow_trl custom_generate/generate.py>", "exec"), namespace)
-    return namespace
+# Keyword arguments of `load_assistant` that also locate the policy and cost model files on the Hub.
+_HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download")
 
 
 def _check_policy(policy) -> AdaptiveWindowPolicy:
@@ -217,31 +116,40 @@ def _check_policy(policy) -> AdaptiveWindowPolicy:
     return policy
 
 
+def policy_dict(policy: AdaptiveWindowPolicy) -> dict:
+    """What the hook reads from ``generation_config.ppow_window_policy``: the policy minus ``calibration`` (it
+    stays in ``ppow_window_policy.json``), ``{"max_window": K, "threshold": h, "confidence_temperature": T_c}``."""
+    data = asdict(_check_policy(policy))
+    data.pop("calibration", None)
+    return data
+
+
 def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy):
     """Set a drafter's ``generation_config`` for HF's assisted generation with our rule; returns it.
 
     ``num_assistant_tokens = K`` (HF drafts at most this many), ``num_assistant_tokens_schedule = "constant"``
     (HF never changes K), ``assistant_confidence_threshold = 0`` (HF's per-token rule and its re-tuning are
-    off), and ``ppow_window_policy = {"max_window": K, "threshold": h}`` (read by the custom ``generate``).
+    off), and ``ppow_window_policy = policy_dict(policy)`` (``K``, ``h``, ``T_c``; read by the hook).
     """
     policy = _check_policy(policy)
     generation_config.num_assistant_tokens = policy.max_window
     generation_config.num_assistant_tokens_schedule = "constant"
     generation_config.assistant_confidence_threshold = 0.0
-    setattr(generation_config, GENERATION_CONFIG_KEY, asdict(policy))
+    setattr(generation_config, GENERATION_CONFIG_KEY, policy_dict(policy))
     return generation_config
 
 
 def attach_window_policy(drafter, policy: AdaptiveWindowPolicy):
     """In memory, without saving: make ``drafter`` apply ``policy`` as an HF assistant; returns ``drafter``.
 
-    Sets its generation config (``configure_generation_config``) and replaces its ``generate`` with the
-    same hook ``custom_generate/generate.py`` holds, as ``from_pretrained(trust_remote_code=True)`` would.
+    Sets its generation config (``configure_generation_config``) and replaces its ``generate`` with
+    ``functools.partial(ppow_trl.custom_generate.generate.generate, model=drafter)``: the same code a folder's
+    ``custom_generate/generate.py`` holds, installed as ``from_pretrained(trust_remote_code=True)`` would.
     """
     if _is_peft_model(drafter):
         raise ValueError(_PEFT_MESSAGE)
     configure_generation_config(drafter.generation_config, policy)
-    drafter.generate = functools.partial(_hook()["generate"], model=drafter)
+    drafter.generate = functools.partial(_hook_generate, model=drafter)
     return drafter
 
 
@@ -296,9 +204,10 @@ def write_assistant_files(folder, policy: AdaptiveWindowPolicy, cost_model: Cost
     """Write everything ``save_assistant`` writes except the weights, config and tokenizer; returns the folder.
 
     ``ppow_window_policy.json``, ``ppow_cost_model.json`` (if ``cost_model``), ``custom_generate/generate.py``
-    and, when the folder holds a model (``generation_config.json`` or ``config.json``), its
-    ``generation_config.json`` updated by ``configure_generation_config``. An adapter-only folder (PEFT) gets
-    no generation config: it is not read from there (see the module docstring; merge first).
+    (a byte-identical copy of ``ppow_trl/custom_generate/generate.py``) and, when the folder holds a model
+    (``generation_config.json`` or ``config.json``), its ``generation_config.json`` updated by
+    ``configure_generation_config``. An adapter-only folder (PEFT) gets no generation config: it is not read
+    from there (see the module docstring; merge first).
     """
     policy = _check_policy(policy)
     folder = Path(folder)
@@ -308,7 +217,7 @@ def write_assistant_files(folder, policy: AdaptiveWindowPolicy, cost_model: Cost
         cost_model.save_pretrained(folder)
     hook = folder / CUSTOM_GENERATE_FILE
     hook.parent.mkdir(parents=True, exist_ok=True)
-    hook.write_text(GENERATE_PY)
+    shutil.copyfile(HOOK_SOURCE, hook)
     _update_generation_config(folder, policy)
     _write_modeling_file(folder)
     return folder
@@ -369,60 +278,83 @@ def _update_generation_config(folder: Path, policy: AdaptiveWindowPolicy) -> Non
     configure_generation_config(config, policy).save_pretrained(folder)
 
 
-def load_assistant(folder, **from_pretrained_kwargs):
+def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, **from_pretrained_kwargs):
     """Load a drafter saved by ``save_assistant`` (or ``PPOWTrainer`` + merge) with its window rule installed.
 
-    ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **from_pretrained_kwargs)``
-    (``import ppow_trl`` is done, so ``PPOWDrafterForCausalLM`` folders resolve), then makes sure that the
-    generation config carries the folder's policy and that ``generate`` is the folder's hook (transformers
-    skips the hook when ``generation_config=`` is passed). Pass the result as
-    ``target.generate(..., assistant_model=drafter)``.
+    ``folder_or_repo`` is a local folder or a Hub repo id. ``from_pretrained_kwargs`` go to
+    ``AutoModelForCausalLM.from_pretrained`` (``torch_dtype=``, ``device_map=``...); ``revision=``, ``token=``,
+    ``cache_dir=``, ``local_files_only=`` and ``force_download=`` are also used to fetch
+    ``ppow_window_policy.json`` (``AdaptiveWindowPolicy.from_pretrained``). Pin ``revision=`` to a commit for
+    a Hub repo.
+
+    - ``trust_remote_code=False`` (default): nothing from the folder is executed. The weights load with
+      ``AutoModelForCausalLM.from_pretrained`` (``import ppow_trl`` is done, so ``PPOWDrafterForCausalLM``
+      folders resolve to ppow_trl's class) and ``attach_window_policy`` installs ppow_trl's own hook.
+    - ``trust_remote_code=True``: ``from_pretrained(..., trust_remote_code=True)`` runs the folder's
+      ``custom_generate/generate.py`` (and, without ppow_trl's classes, ``modeling_ppow_drafter.py``; the module
+      docstring lists what they execute); the generation config then gets the folder's policy, and if
+      transformers skipped the folder's hook (``generation_config=`` passed, or a folder without
+      ``custom_generate/``) ppow_trl's is installed.
+
+    Pass the result as ``target.generate(..., assistant_model=drafter)``.
     """
     from transformers import AutoModelForCausalLM
 
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder: load_assistant takes a folder written by save_assistant.")
-    if not (folder / WINDOW_POLICY_FILE).is_file():
+    hub_kwargs = {name: from_pretrained_kwargs[name] for name in _HUB_KWARGS if name in from_pretrained_kwargs}
+    folder = Path(folder_or_repo)
+    local = folder.is_dir()
+    if not local and not _looks_like_repo_id(folder_or_repo):
         raise FileNotFoundError(
-            f"No {WINDOW_POLICY_FILE} in {folder}: this drafter was not saved by ppow_trl.assisted.save_assistant "
-            "(or PPOWTrainer), so it carries no window policy. Save it with "
-            "save_assistant(drafter, folder, policy=AdaptiveWindowPolicy(max_window=K, threshold=h))."
+            f"{folder_or_repo} is not a folder (nor a Hub repo id): load_assistant takes a folder written by "
+            "save_assistant or the id of a Hub repo holding one."
         )
-    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+    if local and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
         raise ValueError(f"{folder} holds a PEFT adapter. " + _PEFT_MESSAGE)
-    if from_pretrained_kwargs.pop("trust_remote_code", True) is not True:
-        raise ValueError(
-            "load_assistant needs trust_remote_code=True: the window rule is the folder's custom_generate/generate.py."
-        )
-    policy = AdaptiveWindowPolicy.from_pretrained(folder)
-    drafter = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **from_pretrained_kwargs)
+    try:
+        policy = AdaptiveWindowPolicy.from_pretrained(folder_or_repo, **hub_kwargs)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(
+            f"No {WINDOW_POLICY_FILE} in {folder_or_repo}: this drafter was not saved by "
+            "ppow_trl.assisted.save_assistant (or PPOWTrainer), so it carries no window policy. Save it with "
+            "save_assistant(drafter, folder, policy=AdaptiveWindowPolicy(max_window=K, threshold=h))."
+        ) from error
+    source = str(folder) if local else str(folder_or_repo)
+    drafter = AutoModelForCausalLM.from_pretrained(
+        source, trust_remote_code=bool(trust_remote_code), **from_pretrained_kwargs
+    )
+    if getattr(drafter, "_hf_peft_config_loaded", False):
+        raise ValueError(f"{folder_or_repo} holds a PEFT adapter. " + _PEFT_MESSAGE)
+    if not trust_remote_code:
+        return attach_window_policy(drafter, policy)
     configure_generation_config(drafter.generation_config, policy)
     if not isinstance(drafter.__dict__.get("generate"), functools.partial):
         # transformers skipped the folder's hook (generation_config= was passed, or a folder written before
         # custom_generate existed): install the same code in memory.
-        drafter.generate = functools.partial(_hook()["generate"], model=drafter)
+        drafter.generate = functools.partial(_hook_generate, model=drafter)
     return drafter
 
 
-def _maybe_cost_model(folder: Path) -> CostModel | None:
-    return CostModel.from_pretrained(folder) if (folder / COST_MODEL_FILE).is_file() else None
+def load_cost_model(folder_or_repo, **hub_kwargs) -> CostModel | None:
+    """The cost model saved with a drafter (``ppow_cost_model.json``), or ``None`` if none was saved.
 
-
-def load_cost_model(folder) -> CostModel | None:
-    """The cost model saved with a drafter (``ppow_cost_model.json``), or ``None`` if none was saved."""
-    return _maybe_cost_model(Path(folder))
+    ``folder_or_repo``: a local folder or a Hub repo id (``hub_kwargs`` such as ``revision=`` go to
+    ``hf_hub_download``)."""
+    try:
+        return CostModel.from_pretrained(folder_or_repo, **hub_kwargs)
+    except FileNotFoundError:
+        return None
 
 
 __all__ = [
     "CUSTOM_GENERATE_FILE",
     "GENERATION_CONFIG_KEY",
+    "HOOK_SOURCE",
     "MODELING_FILE",
     "attach_window_policy",
     "configure_generation_config",
     "load_assistant",
     "load_cost_model",
+    "policy_dict",
     "save_assistant",
     "write_assistant_files",
 ]
-

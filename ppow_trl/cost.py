@@ -70,8 +70,11 @@ class CostModel:
         return save_json(asdict(self), folder, COST_MODEL_FILE)
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path) -> "CostModel":
-        return cls(**load_json(folder, COST_MODEL_FILE, "calibrate one with ppow_trl.calibrate_cost_model."))
+    def from_pretrained(cls, folder_or_repo: str | Path, **hub_kwargs) -> "CostModel":
+        """Load ``ppow_cost_model.json`` from a local folder, or from a Hub repo id (``hf_hub_download``;
+        ``hub_kwargs`` such as ``revision=``, ``token=``, ``cache_dir=`` are passed on)."""
+        return cls(**load_json(folder_or_repo, COST_MODEL_FILE, "calibrate one with ppow_trl.calibrate_cost_model.",
+                               **hub_kwargs))
 
 
 def speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_model: CostModel) -> torch.Tensor:

@@ -20,12 +20,12 @@ Counting conventions (stated wherever tau is printed, see PPOW.md "Evaluation pr
   avoided; with one token left the round verifies an empty window (a plain target step).
 
 Greedy mode (``do_sample=False``): the drafter proposes ``argmax`` of its logits, the target's ``p``
-is one-hot (``probabilities_from_logits(logits, 0)``) and ``greedy_verify`` decides. The window rule
-still needs real confidences, so ``conf = max softmax(drafter_logits / temperature)`` (one-hot
-distributions would always give 1); ``temperature`` defaults to 1, the drafter's own distribution.
-Sampling mode: ``q = softmax(drafter_logits / temperature)`` is sampled and ``p`` uses the same
-temperature; ``speculative_sampling_verify`` decides, so the output is distributed as the target's
-own samples at that temperature.
+is one-hot (``probabilities_from_logits(logits, 0)``) and ``greedy_verify`` decides. Sampling mode:
+``q = softmax(drafter_logits / temperature)`` is sampled and ``p`` uses the same temperature;
+``speculative_sampling_verify`` decides, so the output is distributed as the target's own samples at
+that temperature. In both modes the window rule uses the policy's confidences
+``conf = max softmax(drafter_logits / policy.confidence_temperature)`` (``AdaptiveWindowPolicy.confidence``),
+the same definition as training rollouts, the HF hook and calibration.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ import torch
 from transformers import DynamicCache
 
 from .utils import crop_cache
-from .verification import greedy_verify, probabilities_from_logits, speculative_sampling_verify
-from .windowing import AdaptiveWindowPolicy, drafter_confidence
+from .models import output_vocab_rows
+from .verification import acceptance_histogram, greedy_verify, probabilities_from_logits, speculative_sampling_verify
+from .windowing import AdaptiveWindowPolicy
 
 TAU_CONVENTION = (
     "tau = tokens generated / target verification forwards (bonus/correction token included, prefill excluded)"
@@ -93,10 +94,7 @@ class SpeculativeOutput:
 
     def acceptance_histogram(self) -> list[int]:
         """``hist[a]`` = number of rounds whose verifier accepted ``a`` drafted tokens, ``a = 0..K``."""
-        hist = [0] * (self.max_window + 1)
-        for accepted in self.accepted_per_round:
-            hist[accepted] += 1
-        return hist
+        return acceptance_histogram(self.accepted_per_round, self.max_window)
 
 
 @dataclass
@@ -119,10 +117,7 @@ class ExactGreedyTau:
     convention: str = field(default=TAU_CONVENTION)
 
     def acceptance_histogram(self) -> list[int]:
-        hist = [0] * (self.max_window + 1)
-        for accepted in self.accepted_per_round:
-            hist[accepted] += 1
-        return hist
+        return acceptance_histogram(self.accepted_per_round, self.max_window)
 
 
 def _eos_set(target, eos_token_id) -> set[int]:
@@ -147,12 +142,8 @@ def _model_device(model) -> torch.device:
 
 def _vocab_width(model) -> int:
     """Width of the logits ``model`` returns (its output rows)."""
-    config = model.config
-    width = getattr(config, "full_vocab_size", None)  # PPOWDrafterForCausalLM scatters into this width
-    if width is None:
-        head = model.get_output_embeddings()
-        width = head.weight.shape[0] if head is not None else config.get_text_config().vocab_size
-    return int(width)
+    width = getattr(model.config, "full_vocab_size", None)  # PPOWDrafterForCausalLM scatters into this width
+    return int(width if width is not None else output_vocab_rows(model))
 
 
 def _shared_vocab(target, drafter, vocab_size) -> int:
@@ -244,8 +235,8 @@ def speculative_generate(
     prompt = _check_inputs(input_ids, max_new_tokens, policy)
     if temperature <= 0:
         raise ValueError(
-            f"temperature must be > 0, got {temperature} (use do_sample=False for greedy decoding; in greedy mode "
-            "temperature only shapes the drafter confidences the window rule uses)."
+            f"temperature must be > 0, got {temperature} (use do_sample=False for greedy decoding; greedy decoding "
+            "ignores temperature)."
         )
     vocab = _shared_vocab(target, drafter, vocab_size)
     eos = _eos_set(target, eos_token_id)
@@ -282,7 +273,7 @@ def speculative_generate(
                     token = int(step_logits.argmax())
                 window.append(token)
                 drafter_probs.append(q)
-                running = running * drafter_confidence(q)
+                running = running * policy.confidence(step_logits)
                 if step + 1 == cap or not bool(policy.keep_drafting(running, step + 1)):
                     break
                 logits, drafter_cache = _forward(drafter, [token], drafter_cache, committed + step)
@@ -337,7 +328,7 @@ def speculative_generate(
 
 
 @torch.no_grad()
-def _greedy_continuation(target, prompt: list[int], num_tokens: int, vocab: int) -> list[int]:
+def greedy_continuation(target, prompt: list[int], num_tokens: int, vocab: int) -> list[int]:
     """The target's greedy text, ``num_tokens`` tokens, not stopping at EOS (KV-cached, one token a step)."""
     logits, cache = _forward(target, prompt, None, 0, logits_to_keep=1)
     tokens = []
@@ -357,9 +348,9 @@ def exact_greedy_tau(
     *,
     policy: AdaptiveWindowPolicy,
     max_new_tokens: int,
-    temperature: float = 1.0,
     eos_token_id=None,
     vocab_size: int | None = None,
+    continuation: list[int] | None = None,
 ) -> ExactGreedyTau:
     """tau of greedy ``speculative_generate`` without running its loop.
 
@@ -375,15 +366,20 @@ def exact_greedy_tau(
     decide how many more (rejected) tokens are drafted, never ``A``. Hence
     ``A = min(J, policy.window_lengths(c_{s+1..}), cap)`` with the same cap as the loop, the round
     yields ``x_{s+1..s+A+1}``, and the run ends once the first EOS or ``M`` tokens are covered.
-    ``temperature``: as in greedy ``speculative_generate`` (shapes the confidences only).
+    Confidences are the policy's (``policy.confidence``), as in the loop. ``continuation``: the target's
+    greedy continuation of the prompt when already known (at least ``max_new_tokens`` tokens, not stopped
+    at EOS; e.g. cached by the trainer's evaluation), which saves the target pass; it is trusted as given.
     """
     prompt = _check_inputs(input_ids, max_new_tokens, policy)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}.")
     vocab = _shared_vocab(target, drafter, vocab_size)
     eos = _eos_set(target, eos_token_id)
 
-    text = _greedy_continuation(target, prompt, max_new_tokens, vocab)
+    if continuation is None:
+        text = greedy_continuation(target, prompt, max_new_tokens, vocab)
+    elif len(continuation) < max_new_tokens:
+        raise ValueError(f"continuation has {len(continuation)} tokens, max_new_tokens is {max_new_tokens}.")
+    else:
+        text = [int(t) for t in continuation[:max_new_tokens]]
     generated, _ = _truncate_at_eos(text, eos)
     total = len(generated)
 
@@ -391,7 +387,7 @@ def exact_greedy_tau(
     logits, _ = _forward(drafter, prompt + text[:-1], None, 0, logits_to_keep=max_new_tokens)
     logits = logits[-max_new_tokens:, :vocab]
     proposals = logits.argmax(-1)
-    confidences = drafter_confidence(probabilities_from_logits(logits, temperature))
+    confidences = policy.confidence(logits)
     matches = proposals == torch.tensor(text, dtype=torch.long, device=proposals.device)
     # pad so a window starting near the end still has K entries (those are beyond the cap, never used)
     pad = policy.max_window

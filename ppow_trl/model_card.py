@@ -22,14 +22,41 @@ HYPERPARAMETERS = (
 )
 
 
-STANDALONE_USAGE = """```python
-from transformers import AutoModelForCausalLM
-assistant = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)  # applies the window rule
+REVISION_NOTE = """Pin `revision=` to the commit hash of this repo that you checked (the repo's "Files and versions" tab
+or `huggingface_hub.HfApi().model_info("{repo}").sha`): a branch such as `main` can change after you read it."""
+
+REMOTE_CODE_NOTE = """What `trust_remote_code=True` executes (with your privileges), at the revision fetched:
+`custom_generate/generate.py`, a verbatim copy of `ppow_trl/custom_generate/generate.py` (it imports torch and
+transformers' stopping criteria; when transformers' assisted loop calls the drafter it reads the window policy,
+adds a stopping criterion and calls the model's own `generate`; no network, no file writes, no subprocess), and
+for a reduced-vocabulary drafter `modeling_ppow_drafter.py`, a copy of `ppow_trl/drafter.py` without its
+Auto-class registration (it defines the config and model classes: the target architecture's body plus a head
+over the draft vocabulary). Read both files at the revision you pin."""
+
+STANDALONE_USAGE = """With ppow_trl installed (`pip install ppow_trl`), no remote code is run: `load_assistant` loads the
+weights and installs ppow_trl's own copy of the window hook.
+
+```python
+from ppow_trl.assisted import load_assistant
+revision = "main"  # better: the commit hash you checked (see below)
+assistant = load_assistant("{repo}", revision=revision)  # applies the adaptive window rule
 out = target.generate(**inputs, assistant_model=assistant, do_sample=False)
 ```
 
-`trust_remote_code=True` loads `custom_generate/generate.py`, which applies the adaptive window inside
-transformers' assisted generation (batch size 1). Without it, transformers drafts a fixed K tokens."""
+Without ppow_trl, opt into the repo's code:
+
+```python
+from transformers import AutoModelForCausalLM
+assistant = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True, revision=revision)
+out = target.generate(**inputs, assistant_model=assistant, do_sample=False)
+```
+
+Both apply the adaptive window inside transformers' assisted generation (batch size 1). Without ppow_trl and
+without `trust_remote_code=True`, transformers drafts a fixed K tokens.
+
+{revision_note}
+
+{remote_code_note}"""
 
 ADAPTER_USAGE = """This folder holds a LoRA adapter. Merge it into its drafter once, and save the merged drafter with
 its window rule (the recipe's `--merge_adapter True` does this into `merged/`):
@@ -39,14 +66,23 @@ from peft import PeftModel
 from ppow_trl.assisted import save_assistant, load_assistant
 from ppow_trl.windowing import AdaptiveWindowPolicy
 from ppow_trl.cost import CostModel
-drafter = PeftModel.from_pretrained(base_drafter, "{repo}").merge_and_unload()
-save_assistant(drafter, "merged", policy=AdaptiveWindowPolicy.from_pretrained("{repo}"),
-               cost_model=CostModel.from_pretrained("{repo}"), tokenizer=tokenizer)
+revision = "main"  # better: the commit hash you checked (see below)
+drafter = PeftModel.from_pretrained(base_drafter, "{repo}", revision=revision).merge_and_unload()
+policy = AdaptiveWindowPolicy.from_pretrained("{repo}", revision=revision)
+cost_model = CostModel.from_pretrained("{repo}", revision=revision)
+save_assistant(drafter, "merged", policy=policy, cost_model=cost_model, tokenizer=tokenizer)
 out = target.generate(**inputs, assistant_model=load_assistant("merged"), do_sample=False)
 ```
 
-`load_assistant` loads with `trust_remote_code=True`, which applies the adaptive window inside transformers'
-assisted generation (batch size 1)."""
+`AdaptiveWindowPolicy.from_pretrained` and `CostModel.from_pretrained` take a local folder or a Hub repo id
+(`revision=`, `token=`, `cache_dir=` are passed to `huggingface_hub.hf_hub_download`). `load_assistant` runs no
+code from the folder: it installs ppow_trl's own window hook (adaptive window inside transformers' assisted
+generation, batch size 1). Where ppow_trl is not installed, `AutoModelForCausalLM.from_pretrained("merged",
+trust_remote_code=True)` applies the same rule from the merged folder's `custom_generate/generate.py`.
+
+{revision_note}
+
+{remote_code_note}"""
 
 
 def evaluation_table(summary: list[dict]) -> str:
@@ -88,7 +124,8 @@ def render_model_card(
         if cost_model
         else "not measured"
     )
-    usage = ADAPTER_USAGE.format(repo=repo) if adapter else STANDALONE_USAGE.format(repo=repo)
+    notes = {"revision_note": REVISION_NOTE.format(repo=repo), "remote_code_note": REMOTE_CODE_NOTE}
+    usage = (ADAPTER_USAGE if adapter else STANDALONE_USAGE).format(repo=repo, **notes)
     results = (
         f"{evaluation_setup}\n\n{evaluation_table(evaluation)}" if evaluation else "No evaluation was run with this save."
     )
@@ -110,7 +147,7 @@ as verifier; arXiv 2605.14978) using ppow_trl on top of TRL's GRPOTrainer.
 - Drafter: {drafter}
 - Training data: {data}
 - Window rule (calibrated on held-out contexts after training): draft while the running product of drafter confidences stays >= h = {policy.threshold}, up to
-  K = {policy.max_window} tokens (saved in `ppow_window_policy.json`).
+  K = {policy.max_window} tokens; confidence = max softmax(logits / T_c), T_c = {policy.confidence_temperature} (saved in `ppow_window_policy.json`).
 - Cost model: {cost}
 
 ## Use

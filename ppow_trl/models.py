@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -40,30 +41,50 @@ def load_target(
     *,
     gguf_file: str | None = None,
     quantization: str | None = None,
+    dtype: torch.dtype | str | None = None,
     torch_dtype: torch.dtype | str | None = None,
     device_map: str | dict | None = None,
+    bnb_4bit_quant_type: str = "nf4",
     **kwargs,
 ) -> PreTrainedModel:
     """Load the target (the frozen verifier) as a causal LM: eval mode, no parameter requires grad.
+
+    Defaults depend on where it runs (an explicit argument always wins):
+
+    - **CUDA** (`torch.cuda.is_available()`): `dtype=torch.bfloat16`, and `device_map={"": local_rank}`
+      (`local_process_index()`), quantized or not, so each process of a multi-GPU launch holds its own
+      copy on its own GPU; a 4-bit target computes in that dtype.
+    - **CPU**: nothing is added: the checkpoint's dtype (`"auto"`; fp32 for the offline SmolLM2), on CPU,
+      and a 4-bit target computes in float32 (bf16 matmuls were very slow on the development CPUs, see
+      OFFLINE.md).
 
     Args:
         name_or_path: a Hub id, a local folder, a `.gguf` file, or `OFFLINE_TARGET` for the offline
             SmolLM2-135M-Instruct.
         gguf_file: name of a GGUF file inside `name_or_path` (transformers dequantizes it on load).
-        quantization: `None`, `"4bit"` (NF4, computing in `torch_dtype`; float32 by default because bf16
-            matmuls were very slow on the development CPUs, see OFFLINE.md; pass bfloat16 on GPUs) or
+        quantization: `None`, `"4bit"` (`bnb_4bit_quant_type`, NF4 by default, computing in `dtype`) or
             `"8bit"` (LLM.int8), through bitsandbytes. On CPU both run, slower than float32.
-        torch_dtype: dtype of the weights (transformers 5 calls it `dtype`; both are accepted).
-        device_map: passed to `from_pretrained` (e.g. `"auto"` on GPUs).
+        dtype: dtype of the weights (of the non-quantized ones under `quantization`). `torch_dtype` is
+            the older name; pass one of them.
+        device_map: passed to `from_pretrained` (e.g. `"auto"` to split one model over several GPUs).
+        bnb_4bit_quant_type: `"nf4"` or `"fp4"`, for `quantization="4bit"`.
         kwargs: passed to `AutoModelForCausalLM.from_pretrained`.
     """
-    if torch_dtype is not None:
-        kwargs["dtype"] = torch_dtype
-    quantization_config = _bitsandbytes_config(quantization, kwargs.get("dtype"))
+    if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+        raise ValueError(f"Pass either `dtype` or `torch_dtype` (its older name), not both ({dtype} vs {torch_dtype}).")
+    dtype = dtype if dtype is not None else torch_dtype
+    on_cuda = torch.cuda.is_available()
+    if dtype is None and on_cuda:
+        dtype = torch.bfloat16
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    quantization_config = _bitsandbytes_config(quantization, dtype, bnb_4bit_quant_type)
     if quantization_config is not None:
         if "quantization_config" in kwargs:
             raise ValueError("Pass either `quantization` or `quantization_config`, not both.")
         kwargs["quantization_config"] = quantization_config
+    if device_map is None and on_cuda and not _deepspeed_zero3():
+        device_map = {"": local_process_index()}
     if device_map is not None:
         kwargs["device_map"] = device_map
     model = _load_causal_lm(name_or_path, gguf_file=gguf_file, **kwargs)
@@ -72,7 +93,24 @@ def load_target(
     return model
 
 
-def _bitsandbytes_config(quantization: str | None, dtype: torch.dtype | str | None):
+def local_process_index() -> int:
+    """This process's GPU index on its machine: accelerate's `PartialState().local_process_index`
+    (it knows `accelerate launch`, torchrun, DeepSpeed and MPI launchers), else `$LOCAL_RANK`, else 0."""
+    try:
+        from accelerate import PartialState
+    except ImportError:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    return PartialState().local_process_index
+
+
+def _deepspeed_zero3() -> bool:
+    """Whether DeepSpeed ZeRO-3 is on: it partitions the weights itself and rejects a `device_map`."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
+
+
+def _bitsandbytes_config(quantization: str | None, dtype: torch.dtype | str | None, quant_type: str = "nf4"):
     """The `BitsAndBytesConfig` for `quantization` ("4bit", "8bit"), or None for full precision."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}.")
@@ -83,11 +121,11 @@ def _bitsandbytes_config(quantization: str | None, dtype: torch.dtype | str | No
 
     if quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
-    if isinstance(dtype, str):
+    if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
+        bnb_4bit_quant_type=quant_type,
         bnb_4bit_compute_dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
     )
 
@@ -210,7 +248,7 @@ def make_drafter(
       - `pretrained`: Hub id / local path of a small causal LM sharing the target's tokenizer. With a
         `target`, `check_compatibility` runs; `target_tokenizer` defaults to the tokenizer saved with the
         target and `drafter_tokenizer` to the one saved with `pretrained` (if any). `load_kwargs` go to
-        `from_pretrained`.
+        `from_pretrained`; without a `device_map` among them the drafter goes to the target's device.
       - `num_layers`: the target's first `num_layers` layers (`truncate_model`; the target must not be
         quantized).
     Then, if `draft_vocab_ids` is given, the drafter gets a reduced output head over those target ids
@@ -227,6 +265,8 @@ def make_drafter(
         drafter = truncate_model(target, num_layers)
     else:
         drafter = _load_causal_lm(pretrained, **load_kwargs)
+        if target is not None and "device_map" not in load_kwargs and model_device(drafter) != model_device(target):
+            drafter = drafter.to(model_device(target))  # load_target puts a target on the local GPU when there is one
         if target is not None:
             if target_tokenizer is None:
                 target_tokenizer = _saved_tokenizer(target.name_or_path, required=True)
@@ -258,6 +298,30 @@ def _saved_tokenizer(name_or_path: str, required: bool):
 # --------------------------------------------------------------------------------------------------
 # Vocabulary compatibility
 # --------------------------------------------------------------------------------------------------
+
+
+def model_device(model) -> torch.device:
+    """Device of `model`'s first parameter (its input embeddings for a decoder): where its inputs go."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        raise ValueError(f"{type(model).__name__} has no parameters, so it has no device.") from None
+
+
+def check_same_device(target, drafter) -> torch.device:
+    """The device both models run on; ValueError naming both when their first parameters differ.
+
+    `load_target` puts a target on the local GPU when there is one, while a drafter built or loaded
+    separately starts on the CPU: a mismatch would otherwise surface as an obscure error inside a forward.
+    """
+    target_device, drafter_device = model_device(target), model_device(drafter)
+    if target_device != drafter_device:
+        raise ValueError(
+            f"The target is on {target_device} but the drafter is on {drafter_device}. Move the drafter with "
+            "`drafter.to(target.device)`, or load the target with a `device_map` that puts it where the drafter is "
+            '(e.g. `load_target(..., device_map={"": 0})`).'
+        )
+    return target_device
 
 
 def check_compatibility(target, drafter, target_tokenizer, drafter_tokenizer=None) -> int:

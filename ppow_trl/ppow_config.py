@@ -29,6 +29,31 @@ class PPOWConfig(GRPOConfig):
         window_threshold (`float`, *optional*, defaults to `0.0`):
             h in [0, 1]: the drafter keeps drafting while the running acceptance estimate `prod conf_j` stays
             at or above h (0 = fixed windows of K tokens). Saved with the drafter and used by generation.
+        confidence_temperature (`float`, *optional*, defaults to `1.0`):
+            T_c of the window rule's confidences `conf_j = max softmax(z_j / T_c)` (z_j the drafter's logits),
+            the same in rollouts, calibration and every generation route, greedy or sampled; saved in
+            `ppow_window_policy.json`.
+
+        > Window calibration (needs `eval_dataset`: held-out target-generated responses)
+
+        calibrate_window (`bool`, *optional*, defaults to `True`):
+            Choose (K, h) maximising the cost-model speedup on held-out contexts at the end of `train()` and at
+            each evaluation, so `save_model` writes a rule matched to the drafter it saves. Without an
+            `eval_dataset` the configured `max_window`/`window_threshold` are kept (with a warning).
+        calibration_regime (`str`, *optional*, defaults to `"greedy"`):
+            The decoding the saved policy is for: `"greedy"` (greedy drafting, greedy verification), `"sampling"`
+            (drafting and verification at `temperature`) or `"both"` (the mean of the two speedups).
+        calibration_contexts_per_response (`int`, *optional*, defaults to `4`):
+            Contexts taken from each held-out response (evenly spaced prefixes).
+        calibration_max_contexts (`int`, *optional*, defaults to `256`):
+            At most this many held-out contexts.
+
+        > Evaluation (`eval_dataset`, `eval_strategy`/`eval_steps`)
+
+        eval_max_new_tokens (`int`, *optional*, defaults to `64`):
+            Tokens per held-out prompt for `eval_tau` (exact greedy tau of the fast loop at the calibrated policy).
+        eval_num_prompts (`int`, *optional*):
+            Held-out prompts used for `eval_tau` (default: all rows of `eval_dataset`).
 
         > Cost model and rewards
 
@@ -50,9 +75,13 @@ class PPOWConfig(GRPOConfig):
         verify_temperature (`float`, *optional*, defaults to `1.0`):
             Temperature of the target's distributions p_i in `"expected"` mode (match the decoding
             temperature you will serve with).
-        per_token_credit (`bool`, *optional*, defaults to `False`):
-            Add per-token advantages to the window advantage: token k is credited with the expected accepted
-            tokens from k on, `sum_{j>=k} prod_{i<=j} alpha_i`, normalised within the group at each position.
+        per_token_credit (`str`, *optional*, defaults to `"none"`):
+            `"none"`: one advantage per window (GRPO). `"replace"`: per-position advantages instead: token k is
+            credited with the reward its window gains from position k on, `C_k = (S_L - S_{k-1}) +
+            lambda (1/L) sum_{j>=k} prox_j` (S_k the speedup of the window cut to k tokens, S_0 = 1; with
+            `speed_reward="tokens"` the first term is the expected accepted tokens from k on), normalised at
+            each position over the windows of the group that reach it. `"add"`: the window advantage plus
+            those per-position advantages. `True`/`False` are read as `"add"`/`"none"`.
 
         > Divergence-aware window selection
 
@@ -69,6 +98,17 @@ class PPOWConfig(GRPOConfig):
         selection_refresh_sequences (`int`, *optional*, defaults to `64`):
             Sequences rescored per refresh (a rotating subset; all of them if the dataset is smaller).
 
+        > Training path
+
+        shared_context_logprobs (`bool`, *optional*, defaults to `True`):
+            Compute each context once per micro-batch in the loss's forward (its KV cache, with gradients, is
+            shared by the windows drafted after it) instead of TRL's generic path, which recomputes it for each
+            of the G windows. Same log-probs and gradients; normalises over the vocabulary the rollout sampled
+            from (required for drafters whose head has more rows than the tokenizer).
+        keep_window_distributions (`bool`, *optional*, defaults to `False`):
+            Keep the full-vocabulary p and q of the latest batch in `trainer.last_window_rewards` (for
+            inspection); by default only per-window terms are kept.
+
         > Target
 
         target_quantization (`str`, *optional*):
@@ -77,6 +117,15 @@ class PPOWConfig(GRPOConfig):
 
     max_window: int = field(default=8, metadata={"help": "K, the most tokens drafted per window."})
     window_threshold: float = field(default=0.0, metadata={"help": "h in [0, 1]; 0 = fixed windows of K tokens."})
+    confidence_temperature: float = field(default=1.0, metadata={"help": "T_c of the window rule's confidences."})
+    calibrate_window: bool = field(default=True, metadata={"help": "Calibrate (K, h) on eval_dataset after training."})
+    calibration_regime: str = field(default="greedy", metadata={"help": "'greedy', 'sampling' or 'both'."})
+    calibration_contexts_per_response: int = field(default=4, metadata={"help": "Contexts per held-out response."})
+    calibration_max_contexts: int = field(default=256, metadata={"help": "Most held-out calibration contexts."})
+    eval_max_new_tokens: int = field(default=64, metadata={"help": "Tokens per held-out prompt for eval_tau."})
+    eval_num_prompts: int | None = field(default=None, metadata={"help": "Held-out prompts for eval_tau (all)."})
+    shared_context_logprobs: bool = field(default=True, metadata={"help": "Compute each context once in the loss."})
+    keep_window_distributions: bool = field(default=False, metadata={"help": "Keep full p and q of the last batch."})
     drafter_cost: float | None = field(default=None, metadata={"help": "t_d / t_t; measured at start-up if unset."})
     verify_cost: list[float] | None = field(default=None, metadata={"help": "t_v(L) / t_t for L = 0..K."})
     speed_reward: str = field(default="cost", metadata={"help": "'cost' (S(y)) or 'tokens' (E[A|y] + 1)."})
@@ -84,7 +133,7 @@ class PPOWConfig(GRPOConfig):
     proximity_divergence: str = field(default="tv", metadata={"help": "'tv', 'kl' or 'js'."})
     acceptance: str = field(default="expected", metadata={"help": "'expected' (E[A|y]) or 'greedy' (A)."})
     verify_temperature: float = field(default=1.0, metadata={"help": "Temperature of the target's p_i."})
-    per_token_credit: bool = field(default=False, metadata={"help": "Per-token advantages from accepted-tokens-to-go."})
+    per_token_credit: str = field(default="none", metadata={"help": "'none', 'replace' or 'add' (per-position advantages)."})
     selection_beta: float = field(default=1.0, metadata={"help": "Selection strength; 0 = uniform."})
     selection_eps: float = field(default=1e-3, metadata={"help": "eps in (s + eps)^beta."})
     selection_uniform_share: float = field(default=0.1, metadata={"help": "Uniform share of the draws."})
@@ -110,6 +159,8 @@ class PPOWConfig(GRPOConfig):
     disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the drafter."})
 
     def __post_init__(self):
+        if isinstance(self.per_token_credit, bool) or self.per_token_credit in ("True", "False", "true", "false"):
+            self.per_token_credit = "add" if str(self.per_token_credit).lower() == "true" else "none"
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         self.max_completion_length = self.max_window if isinstance(self.max_window, int) else None
@@ -143,6 +194,25 @@ class PPOWConfig(GRPOConfig):
         for name in ("proximity_divergence", "selection_divergence"):
             if getattr(self, name) not in DIVERGENCES:
                 errors.append(f"{name} must be one of {DIVERGENCES}, got {getattr(self, name)!r}.")
+        if self.acceptance == "expected" and self.verify_temperature != self.temperature:
+            errors.append(
+                f"verify_temperature ({self.verify_temperature}) must equal temperature ({self.temperature}): speculative "
+                "sampling verifies the drafter's samples against the target at the decoding temperature, and the "
+                "drafter samples at `temperature`. Set both to the temperature you will serve with."
+            )
+        if getattr(self, "multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
+            errors.append(
+                f"multi_objective_aggregation must be 'sum_then_normalize', got {self.multi_objective_aggregation!r}: "
+                "PPOW's reward is the plain sum R = R_speed + lambda R_prox, normalised within the group."
+            )
+        if self.per_token_credit not in ("none", "replace", "add"):
+            errors.append(f"per_token_credit must be 'none', 'replace' or 'add', got {self.per_token_credit!r}.")
+        if self.calibration_regime not in ("greedy", "sampling", "both"):
+            errors.append(f"calibration_regime must be 'greedy', 'sampling' or 'both', got {self.calibration_regime!r}.")
+        if self.confidence_temperature <= 0:
+            errors.append(f"confidence_temperature must be > 0, got {self.confidence_temperature}.")
+        if self.calibration_contexts_per_response < 1 or self.calibration_max_contexts < 1 or self.eval_max_new_tokens < 1:
+            errors.append("calibration_contexts_per_response, calibration_max_contexts and eval_max_new_tokens must be >= 1.")
         if self.temperature <= 0 or self.verify_temperature <= 0:
             errors.append("temperature and verify_temperature must be > 0 (use acceptance='greedy' for greedy verification).")
         if self.top_p != 1.0 or self.top_k not in (0, None) or self.min_p is not None or self.repetition_penalty != 1.0:

@@ -10,30 +10,39 @@ probabilities.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 from pathlib import Path
 
 import torch
-from accelerate.utils import broadcast
+from accelerate.utils import broadcast, broadcast_object_list
 from transformers import AutoModelForCausalLM
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
+from trl.trainer.utils import split_tensor_dict
 
+from .calibration import calibrate_policy, held_out_contexts
 from .contexts import ContextPool, ContextSelector, score_sequence
-from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model, speedup
+from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model, overall_speedup, speedup
+from .credit import per_position_advantages, per_position_credit
 from .drafter import PPOWDrafterForCausalLM
 from .model_card import render_model_card, write_model_card
 from .models import check_compatibility, load_target
 from .ppow_config import PPOWConfig
-from .rewards import divergence, proximity_reward
+from .generation import exact_greedy_tau, greedy_continuation
+from .rewards import divergence, proximity_terms
 from .rollout import draft_windows, target_window_probs
 from .verification import window_prefix_acceptance
+from .window_logprobs import shared_context_window_logprobs
 from .windowing import AdaptiveWindowPolicy
 
-SELECTOR_STATE_FILE = "ppow_context_selector.json"
+logger = logging.getLogger(__name__)
+
+SELECTOR_STATE_FILE = "ppow_context_selector.pt"
 
 
 # TRL needs reward functions (and names them in its logs: rewards/speed/mean, rewards/proximity/mean).
@@ -46,26 +55,6 @@ def speed(prompts, completions, ppow_speed, **kwargs):
 def proximity(prompts, completions, ppow_proximity, **kwargs):
     """R_prox of each window, computed in the rollout (``PPOWTrainer.window_rewards``)."""
     return ppow_proximity
-
-
-def accepted_tokens_to_go(prefix_acceptance: torch.Tensor) -> torch.Tensor:
-    """Per-token credit ``G_k = sum_{j>=k} P(A >= j | y)``: expected accepted tokens from position k on.
-
-    ``G_1 = E[A|y]``; token k can only contribute if all of 1..k are accepted, and each ``P(A >= j)``,
-    ``j >= k``, depends on it.
-    """
-    return prefix_acceptance.flip(-1).cumsum(-1).flip(-1)
-
-
-def per_token_advantages(credit: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Group-relative per-position advantages ``(G_{b,k} - mean_g G_{.,k}) / (std_g G_{.,k} + 1e-4)``. ``(B, K)``.
-
-    Rows are ordered group by group (``group_size`` consecutive windows share a context); positions a
-    window does not reach count as 0 credit; the result is 0 on padding.
-    """
-    grouped = (credit * mask).view(-1, group_size, credit.shape[-1])
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    return (centred / (grouped.std(dim=1, keepdim=True) + 1e-4)).view_as(credit) * mask
 
 
 class PPOWTrainer(GRPOTrainer):
@@ -108,9 +97,8 @@ class PPOWTrainer(GRPOTrainer):
         if processing_class is None:
             raise ValueError("Pass processing_class=<the target's tokenizer>: contexts and windows are its token ids.")
         if eval_dataset is not None:
-            raise NotImplementedError(
-                "eval_dataset is not supported yet; evaluate tau on held-out prompts with ppow_trl's evaluation tools."
-            )
+            # Held-out target responses: eval_tau / eval_expected_accepted and the window calibration.
+            ContextPool(eval_dataset)  # same columns and checks as the training data, failing here
         if train_dataset is None:
             raise ValueError("Pass train_dataset: target-generated responses (ppow_trl.data.build_target_responses).")
         if isinstance(model, str):
@@ -134,6 +122,7 @@ class PPOWTrainer(GRPOTrainer):
             reward_funcs=[speed, proximity],
             args=args,
             train_dataset=self.context_pool.candidate_dataset(),
+            eval_dataset=eval_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
             optimizers=optimizers,
@@ -144,7 +133,7 @@ class PPOWTrainer(GRPOTrainer):
         self.rollout_func = self._rollout
         if not getattr(self.target, "hf_device_map", None) and not getattr(self.target, "is_quantized", False):
             self.target.to(self.accelerator.device)
-        self._map_fused_head_labels_to_draft_rows()
+        self._patch_drafter_forward()
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched > 1 and self.accelerator.num_processes == 1:
             # Seen with torchrun / accelerate's MULTI_GPU+use_cpu config on machines without CUDA: every process
@@ -159,13 +148,18 @@ class PPOWTrainer(GRPOTrainer):
             # sharded parameters collectively: the other ranks would deadlock.
             raise NotImplementedError("PPOWTrainer supports DDP and DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3.")
 
-        self.window_policy = AdaptiveWindowPolicy(args.max_window, args.window_threshold)
-        self.cost_model = cost_model or self._initial_cost_model()
+        self.window_policy = AdaptiveWindowPolicy(args.max_window, args.window_threshold, args.confidence_temperature)
+        # Measured lazily (first rollout or save), after accelerator.prepare has placed the drafter: under
+        # DeepSpeed the drafter is still on the CPU here.
+        self._cost_model = cost_model
+        self._greedy_continuations: dict[tuple, list[int]] = {}  # eval prompts -> the target's greedy text
         self.context_selector = ContextSelector(
-            len(self.context_pool), beta=args.selection_beta, eps=args.selection_eps,
+            self.context_pool.lengths, beta=args.selection_beta, eps=args.selection_eps,
             uniform_share=args.selection_uniform_share, seed=args.seed,
         )
-        self.last_window_rewards = None  # the latest batch's reward terms, for inspection and tests
+        # The latest batch's per-window terms, for inspection and tests (full p and q only when
+        # args.keep_window_distributions: they are (B, K, V) and would otherwise live through the backward).
+        self.last_window_rewards = None
         # Filled by the caller (e.g. the recipe) with what the model card should say: "target", "drafter",
         # "data", and "evaluation" (rows of ppow_trl.bench's summary) with "evaluation_setup".
         self.model_card_info: dict = {}
@@ -176,22 +170,48 @@ class PPOWTrainer(GRPOTrainer):
         model = self.accelerator.unwrap_model(self.model)
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
-    def _map_fused_head_labels_to_draft_rows(self) -> None:
-        """TRL scores log-probs with a fused head over `get_output_embeddings()`; for a reduced-vocabulary
-        drafter that head has draft rows, so target-id labels are mapped to draft rows first. Without this
-        the log-probs are silently wrong (docs/design/trainer-notes.md, section 0)."""
-        drafter = self._unwrapped_drafter()
-        if not isinstance(drafter, PPOWDrafterForCausalLM):
-            return
-        fused_forward = drafter.forward
+    def _patch_drafter_forward(self) -> None:
+        """Two routes into the drafter's own ``forward`` (the innermost model's, where TRL put its fused head), so
+        they run inside DDP's and PEFT's ``forward`` like every training forward:
 
-        @functools.wraps(fused_forward)
-        def forward(*args, fused_lm_head=False, labels=None, **kwargs):
-            if fused_lm_head and labels is not None:
+        - ``ppow_window_logprobs={...}``: the shared-context log-probs of ``window_logprobs`` (the loss path);
+        - TRL's fused head (``fused_lm_head=True``, used when ``shared_context_logprobs=False``): for a
+          reduced-vocabulary drafter, target-id labels are mapped to draft rows first, else the log-probs are
+          silently wrong (docs/design/trainer-notes.md, section 0).
+        """
+        drafter = self._unwrapped_drafter()
+        head_rows = drafter.get_output_embeddings().weight.shape[0]
+        reduced = isinstance(drafter, PPOWDrafterForCausalLM)
+        if not self.args.shared_context_logprobs and not reduced and head_rows != self.vocab_size:
+            raise ValueError(
+                f"The drafter's head has {head_rows} rows but the shared vocabulary is {self.vocab_size}: TRL's generic "
+                "loss path normalises over every row while the rollout samples over the first "
+                f"{self.vocab_size}, so the log-probs would not be those sampled. Keep shared_context_logprobs=True."
+            )
+        inner_forward = drafter.forward
+
+        @functools.wraps(inner_forward)
+        def forward(*args, ppow_window_logprobs=None, fused_lm_head=False, labels=None, **kwargs):
+            if ppow_window_logprobs is not None:
+                return shared_context_window_logprobs(drafter, kwargs["input_ids"], kwargs["attention_mask"],
+                                                      **ppow_window_logprobs)
+            if reduced and fused_lm_head and labels is not None:
                 labels = drafter.draft_index(labels)
-            return fused_forward(*args, fused_lm_head=fused_lm_head, labels=labels, **kwargs)
+            return inner_forward(*args, fused_lm_head=fused_lm_head, labels=labels, **kwargs)
 
         drafter.forward = forward
+        drafter._ppow_window_logprobs = True
+
+    @property
+    def cost_model(self) -> CostModel:
+        """``t_d/t_t`` and ``t_v(L)/t_t``: given, restored from a checkpoint, or measured on first use."""
+        if self._cost_model is None:
+            self._cost_model = self._initial_cost_model()
+        return self._cost_model
+
+    @cost_model.setter
+    def cost_model(self, value: CostModel) -> None:
+        self._cost_model = value
 
     def _initial_cost_model(self) -> CostModel:
         """The given cost ratios, or a calibration on this machine (main process; broadcast to the others)."""
@@ -205,7 +225,7 @@ class PPOWTrainer(GRPOTrainer):
             ratios = torch.tensor([measured.drafter_cost, *measured.verify_cost], device=self.accelerator.device)
         ratios = broadcast(ratios, from_process=0).tolist()
         return CostModel(drafter_cost=ratios[0], verify_cost=ratios[1:],
-                         description="measured at start-up by PPOWTrainer (main process)")
+                         description="measured by PPOWTrainer before its first rollout (main process)")
 
     # ------------------------------------------------------------------ sampling of contexts
 
@@ -233,21 +253,32 @@ class PPOWTrainer(GRPOTrainer):
         count = min(args.selection_refresh_sequences, num_sequences)
         first = (selector.refresh_count * count) % num_sequences
         sequences = [(first + i) % num_sequences for i in range(count)]
-        scores = torch.zeros(len(pool), device=self.accelerator.device)
-        scored = torch.zeros(len(pool), device=self.accelerator.device)
-        if self.accelerator.is_main_process:
-            with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter:
-                for sequence in sequences:
-                    row = score_sequence(
-                        self.target, drafter, pool.sequence_ids(sequence), len(pool.prompts[sequence]),
-                        vocab_size=self.vocab_size, target_temperature=self._verify_temperature,
-                        drafter_temperature=args.temperature, kind=args.selection_divergence,
-                    )
-                    candidates = pool.offsets[sequence] + torch.arange(len(row))
-                    scores[candidates] = row.to(scores.device)
-                    scored[candidates] = 1.0
-        scores, scored = broadcast(scores, from_process=0), broadcast(scored, from_process=0)
-        selector.set_scores(scored.nonzero().squeeze(-1).cpu(), scores[scored.bool()].cpu())
+        # Each process scores its share in batches with its own (DDP: full) drafter copy; the scores are then
+        # gathered, so every process ends with the same selector state and draws the same global batch.
+        from .contexts import score_sequences
+
+        acc = self.accelerator
+        shares = [sequences[rank :: acc.num_processes] for rank in range(acc.num_processes)]
+        mine = shares[acc.process_index]
+        pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter:
+            rows = score_sequences(
+                self.target, drafter, [pool.sequence_ids(s) for s in mine], [len(pool.prompts[s]) for s in mine],
+                vocab_size=self.vocab_size, target_temperature=self._verify_temperature,
+                drafter_temperature=args.temperature, kind=args.selection_divergence, pad_id=pad_id,
+            )
+        local = torch.cat([row.float().to(acc.device) for row in rows]) if rows else torch.zeros(0, device=acc.device)
+        if acc.num_processes > 1:
+            # Every process knows every share's size from the pool: pad to the largest, all-gather, unpad.
+            sizes = [int(sum(int(pool.lengths[s]) for s in share)) for share in shares]
+            width = max(max(sizes), 1)
+            padded = torch.zeros(width, device=acc.device)
+            padded[: len(local)] = local
+            everything = acc.gather(padded).view(acc.num_processes, width)
+            scores = torch.cat([everything[rank, :size] for rank, size in enumerate(sizes)])
+        else:
+            scores = local
+        selector.set_scores(pool.candidates_of([s for share in shares for s in share]), scores.cpu())
         selector.last_refresh_step = self.state.global_step
         selector.refresh_count += 1
 
@@ -261,15 +292,20 @@ class PPOWTrainer(GRPOTrainer):
         """The reward terms of PPOW.md for a batch of windows, from the shared core.
 
         Returns ``accepted`` (E[A|y], or A when ``acceptance="greedy"``), ``prefix`` (P(A >= k)),
-        ``lengths`` (L), ``speed`` (R_speed) and ``proximity`` (R_prox).
+        ``lengths`` (L), ``speed`` (R_speed), ``proximity`` (R_prox) and ``credit`` (the per-position credit
+        ``C_k`` of ``ppow_trl.credit``, 0 past L).
         """
         prefix = window_prefix_acceptance(window_ids, target_probs, drafter_probs, window_mask,
                                           greedy=self.args.acceptance == "greedy")
         accepted = prefix.sum(dim=-1)  # A (greedy) or E[A|y] = sum_k prod_{i<=k} alpha_i
         lengths = window_mask.sum(-1)
-        r_speed = speedup(accepted, lengths, self.cost_model) if self.args.speed_reward == "cost" else accepted + 1.0
-        r_prox = proximity_reward(target_probs, drafter_probs, window_mask, kind=self.args.proximity_divergence)
-        return {"accepted": accepted, "prefix": prefix, "lengths": lengths, "speed": r_speed, "proximity": r_prox}
+        cost_model = self.cost_model if self.args.speed_reward == "cost" else None
+        r_speed = speedup(accepted, lengths, cost_model) if cost_model is not None else accepted + 1.0
+        terms = proximity_terms(target_probs, drafter_probs, kind=self.args.proximity_divergence)
+        r_prox = (terms * window_mask).sum(-1) / lengths.clamp_min(1)  # R_prox = (1/L) sum_i r_i
+        credit = per_position_credit(prefix, terms, window_mask, cost_model, self.args.proximity_weight)
+        return {"accepted": accepted, "prefix": prefix, "lengths": lengths, "speed": r_speed, "proximity": r_prox,
+                "credit": credit}
 
     def _rollout(self, prompts: list[list[int]], trainer=None) -> dict:
         """Draft G windows per context, verify them with the target, and compute the rewards."""
@@ -293,13 +329,16 @@ class PPOWTrainer(GRPOTrainer):
                                            num_samples_per_context=group)
         target_probs = target_probs.to(drafted.drafter_probs.device)
         terms = self.window_rewards(drafted.window_ids, drafted.drafter_probs, drafted.window_mask, target_probs)
-        self.last_window_rewards = {**terms, "window_ids": drafted.window_ids, "drafter_probs": drafted.drafter_probs,
-                                    "window_mask": drafted.window_mask, "target_probs": target_probs}
         self._log_window_metrics(terms, drafted, target_probs)
+        sampled_logq = drafted.drafter_probs.gather(-1, drafted.window_ids.unsqueeze(-1)).squeeze(-1).clamp_min(1e-30).log()
+        self.last_window_rewards = {**terms, "window_ids": drafted.window_ids, "window_mask": drafted.window_mask,
+                                    "confidences": drafted.confidences, "sampled_logq": sampled_logq}
+        if self.args.keep_window_distributions:
+            self.last_window_rewards.update(drafter_probs=drafted.drafter_probs, target_probs=target_probs)
+        del target_probs  # (B, K + 1, V): freed before the loss's backward, unless kept above
 
         lengths = terms["lengths"].tolist()
-        sampled_logq = drafted.drafter_probs.gather(-1, drafted.window_ids.unsqueeze(-1)).squeeze(-1).clamp_min(1e-30).log()
-        credit = accepted_tokens_to_go(terms["prefix"])
+        credit = terms["credit"]
         return {
             "prompt_ids": [list(p) for p in prompts],
             "completion_ids": [row[:n] for row, n in zip(drafted.window_ids.tolist(), lengths)],
@@ -334,17 +373,217 @@ class PPOWTrainer(GRPOTrainer):
                 self._refresh_selection_scores()
             inputs = self._select_contexts(inputs)
         output = super()._generate_and_score_completions(inputs)
-        if self.args.per_token_credit and self.model.training:
+        if self.args.per_token_credit != "none" and self.model.training:
             width = output["completion_ids"].shape[1]
             credit = torch.zeros(len(inputs), width, device=output["completion_ids"].device)
             for row, example in enumerate(inputs):
                 credit[row, : len(example["ppow_credit"])] = torch.tensor(example["ppow_credit"])
             mask = output["completion_mask"].float()
-            # The window advantage (R_speed, lambda R_prox, as TRL normalised it) plus per-token credit for the
-            # accepted tokens each position makes possible.
-            output["advantages"] = (output["advantages"].unsqueeze(-1) * mask
-                                    + per_token_advantages(credit, mask, self.num_generations))
+            # Groups are process-local (PPOWConfig checks it), so the per-position statistics need no gather.
+            per_position = per_position_advantages(credit, mask, self.num_generations,
+                                                   scale=self.args.scale_rewards != "none")
+            if self.args.per_token_credit == "add":
+                per_position = output["advantages"].unsqueeze(-1) * mask + per_position
+            output["advantages"] = per_position
         return output
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's buffering of a generation batch, shuffled group by group instead of row by row.
+
+        Keeping the G windows of a context in the same micro-batch lets the loss compute that context once
+        (``shared_context_logprobs``); the rows of one micro-batch are still a uniform draw of groups.
+        """
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            rows = len(batch["prompt_ids"])
+            groups = torch.randperm(rows // self.num_generations)
+            order = (groups[:, None] * self.num_generations + torch.arange(self.num_generations)).flatten()
+            batch = {key: _index_rows(value, order, rows) for key, value in batch.items()}
+            self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """Log-probs of the window tokens with each context computed once (``ppow_trl.window_logprobs``).
+
+        Runs through ``model``'s forward (DDP/PEFT wrappers included) on the drafter's ``ppow_window_logprobs``
+        route. TRL's generic path is used when ``shared_context_logprobs=False``, for a model without the route
+        (a separate reference model), or with activation checkpointing (no KV cache in train mode).
+        """
+        inner = self.accelerator.unwrap_model(model)
+        inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        use_shared = (self.args.shared_context_logprobs and getattr(inner, "_ppow_window_logprobs", False)
+                      and not compute_aux_loss and not any(v is not None for v in multimodal.values())
+                      and not (self.args.activation_checkpointing or self.args.gradient_checkpointing))
+        if not use_shared:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        route = {"num_window_tokens": logits_to_keep, "vocab_size": self.vocab_size, "temperature": self.temperature,
+                 "compute_entropy": compute_entropy}
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            with self.accelerator.autocast():
+                chunk_logps, chunk_entropy = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
+                                                   ppow_window_logprobs=route)
+            logps.append(chunk_logps)
+            entropies.append(chunk_entropy)
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    # ------------------------------------------------------------------ training, calibration, evaluation
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """TRL's training loop, then (``calibrate_window``) the window rule calibrated on ``eval_dataset``, so
+        that ``save_model`` writes a rule matched to the drafter it saves."""
+        args = self.args
+        generate_every = args.steps_per_generation * self.num_iterations
+        if resume_from_checkpoint and args.gradient_accumulation_steps % generate_every:
+            # A generation round would straddle an optimizer step: a resumed run would regenerate the round's
+            # windows with updated weights (and TRL's buffer is not checkpointed), so the resume is not exact.
+            raise ValueError(
+                f"Exact resume needs generation rounds that end on optimizer steps: gradient_accumulation_steps "
+                f"({args.gradient_accumulation_steps}) must be a multiple of steps_per_generation x num_iterations "
+                f"({args.steps_per_generation} x {self.num_iterations}). Use steps_per_generation = "
+                "gradient_accumulation_steps and num_iterations = 1, or train without resuming."
+            )
+        output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                               ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        if args.calibrate_window:
+            self.calibrate_window_policy()
+        return output
+
+    def _held_out(self, dataset=None):
+        dataset = dataset if dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            dataset = next(iter(dataset.values()))
+        return dataset
+
+    def calibrate_window_policy(self, dataset=None) -> AdaptiveWindowPolicy | None:
+        """Set ``self.window_policy`` to the ``(K <= max_window, h)`` that maximises the cost-model speedup on
+        held-out contexts of ``dataset`` (default ``eval_dataset``) in ``args.calibration_regime``
+        (``ppow_trl.calibration.calibrate_policy``); returns it, or None without held-out data.
+
+        Runs on the main process; the result is broadcast so every process holds the same rule.
+        """
+        dataset = self._held_out(dataset)
+        if dataset is None:
+            logger.warning("No eval_dataset: the window rule stays K = %d, h = %.2f (not calibrated on held-out "
+                           "data). Pass eval_dataset= (held-out target responses) to calibrate it.",
+                           self.window_policy.max_window, self.window_policy.threshold)
+            return None
+        args, cost_model = self.args, self.cost_model
+        result = [None]
+        if self.accelerator.is_main_process:
+            contexts = held_out_contexts(dataset["prompt_ids"], dataset["response_ids"],
+                                         args.calibration_contexts_per_response, args.calibration_max_contexts)
+            with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter, _eval_mode(drafter):
+                policy, _ = calibrate_policy(
+                    self.target, drafter, contexts, cost_model, max_window=args.max_window,
+                    regime=args.calibration_regime, temperature=args.temperature,
+                    confidence_temperature=args.confidence_temperature, vocab_size=self.vocab_size,
+                    pad_id=self._tokenizer.pad_token_id, batch_size=args.per_device_eval_batch_size, seed=args.seed,
+                )
+            result = [policy]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(result, from_process=0)
+        self.window_policy = result[0]
+        logger.info("Window rule calibrated on %d held-out contexts (%s): K = %d, h = %.2f, predicted speedup %.3f",
+                    self.window_policy.calibration["num_contexts"], args.calibration_regime,
+                    self.window_policy.max_window, self.window_policy.threshold,
+                    self.window_policy.calibration["predicted_speedup"])
+        return self.window_policy
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Held-out acceptance during training (``eval_strategy``/``eval_steps``, usable as ``metric_for_best_model``).
+
+        On the held-out target responses: the window rule is recalibrated (``calibrate_window``), then
+        - ``eval_tau``: exact greedy tau of ``speculative_generate`` at that rule (tokens / verification
+          forwards, bonus token included, ratio of sums over ``eval_num_prompts`` prompts of
+          ``eval_max_new_tokens`` tokens; deterministic), and ``eval_tau_fixed_window`` at ``K = max_window``, h = 0;
+        - ``eval_expected_accepted``: mean E[A|y] (A when ``acceptance="greedy"``) of windows drafted at
+          ``temperature`` under the rule after held-out contexts, as the training reward defines it, and
+          ``eval_simulated_speedup``, their cost-model speedup (ratio of sums);
+        - ``eval_predicted_speedup``, ``eval_window_max``, ``eval_window_threshold``: the calibration's result.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if dataset is None:
+            raise ValueError("PPOWTrainer.evaluate needs eval_dataset: held-out target responses "
+                             "(ppow_trl.data.build_target_responses on prompts not used for training).")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            if self.args.calibrate_window:
+                self.calibrate_window_policy(dataset)
+            values = torch.zeros(7, device=self.accelerator.device)
+            if self.accelerator.is_main_process:
+                values = torch.tensor(self._held_out_metrics(dataset), device=self.accelerator.device)
+            if self.accelerator.num_processes > 1:
+                values = broadcast(values, from_process=0)
+            names = ("tau", "tau_fixed_window", "expected_accepted", "simulated_speedup", "predicted_speedup",
+                     "window_max", "window_threshold")
+            metrics = {f"{metric_key_prefix}_{name}": float(v) for name, v in zip(names, values.tolist())}
+            self.log(metrics)
+        finally:
+            self.model.train(was_training)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    @torch.no_grad()
+    def _held_out_metrics(self, dataset) -> list[float]:
+        """The numbers behind ``evaluate`` (main process)."""
+        args, policy = self.args, self.window_policy
+        rows = dataset if args.eval_num_prompts is None else dataset.select(range(min(args.eval_num_prompts, len(dataset))))
+        fixed = policy.with_window(args.max_window, 0.0)
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter, _eval_mode(drafter):
+            tokens = {"rule": 0, "fixed": 0}
+            rounds = {"rule": 0, "fixed": 0}
+            for prompt in rows["prompt_ids"]:
+                key = tuple(prompt)
+                if key not in self._greedy_continuations:  # the target's greedy text: computed once per prompt
+                    self._greedy_continuations[key] = greedy_continuation(self.target, list(prompt),
+                                                                          args.eval_max_new_tokens, self.vocab_size)
+                for name, rule in (("rule", policy), ("fixed", fixed)):
+                    result = exact_greedy_tau(self.target, drafter, torch.tensor([prompt]), policy=rule,
+                                              max_new_tokens=args.eval_max_new_tokens, vocab_size=self.vocab_size,
+                                              continuation=self._greedy_continuations[key])
+                    tokens[name] += len(result.new_tokens)
+                    rounds[name] += result.num_rounds
+            contexts = held_out_contexts(rows["prompt_ids"], rows["response_ids"],
+                                         args.calibration_contexts_per_response, args.calibration_max_contexts)
+            generator = torch.Generator(next(drafter.parameters()).device).manual_seed(args.seed)
+            accepted, lengths = [], []
+            for start in range(0, len(contexts), args.per_device_eval_batch_size):
+                chunk = contexts[start : start + args.per_device_eval_batch_size]
+                drafted = draft_windows(drafter, chunk, policy, pad_id=self._tokenizer.pad_token_id,
+                                        temperature=args.temperature, vocab_size=self.vocab_size, generator=generator)
+                p = target_window_probs(self.target, chunk, drafted.window_ids, pad_id=self._tokenizer.pad_token_id,
+                                        temperature=self._verify_temperature, vocab_size=self.vocab_size)
+                prefix = window_prefix_acceptance(drafted.window_ids, p.to(drafted.drafter_probs.device),
+                                                  drafted.drafter_probs, drafted.window_mask,
+                                                  greedy=args.acceptance == "greedy")
+                accepted.append(prefix.sum(-1).float().cpu())
+                lengths.append(drafted.window_mask.sum(-1).cpu())
+        accepted, lengths = torch.cat(accepted), torch.cat(lengths)
+        calibration = policy.calibration or {}
+        return [
+            tokens["rule"] / max(rounds["rule"], 1),
+            tokens["fixed"] / max(rounds["fixed"], 1),
+            float(accepted.mean()),
+            float(overall_speedup(accepted, lengths, self.cost_model)),
+            float(calibration.get("predicted_speedup", float("nan"))),
+            float(policy.max_window),
+            float(policy.threshold),
+        ]
 
     # ------------------------------------------------------------------ saving and resuming
 
@@ -356,7 +595,7 @@ class PPOWTrainer(GRPOTrainer):
             # `assistant_model=` path applies the rule through custom_generate/ (see ppow_trl/assisted.py).
             from .assisted import write_assistant_files
 
-            write_assistant_files(output_dir, self.window_policy, self.cost_model)
+            write_assistant_files(output_dir, self.window_policy, self._cost_model)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """README.md for the drafter folder: target, drafter, data, hyperparameters, window rule, cost model
@@ -372,7 +611,7 @@ class PPOWTrainer(GRPOTrainer):
             data=info.get("data", dataset_name or f"{len(self.context_pool.responses)} target-generated responses"),
             args=self.args,
             policy=self.window_policy,
-            cost_model=self.cost_model,
+            cost_model=self._cost_model,
             evaluation=info.get("evaluation"),
             evaluation_setup=info.get("evaluation_setup", ""),
             hub_model_id=self.hub_model_id,
@@ -384,21 +623,43 @@ class PPOWTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            with open(os.path.join(folder, SELECTOR_STATE_FILE), "w") as f:
-                json.dump(self.context_selector.state_dict(), f)
+            # A tensor file (float32 scores, bool flags): a JSON list of every candidate's score does not scale.
+            self.context_selector.save_state(os.path.join(folder, SELECTOR_STATE_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
         path = os.path.join(checkpoint, SELECTOR_STATE_FILE)
+        legacy = os.path.join(checkpoint, "ppow_context_selector.json")  # what PPOWTrainer wrote before the .pt file
+        if not os.path.exists(path) and os.path.exists(legacy):
+            path = legacy
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: this checkpoint was not written by PPOWTrainer.")
-        with open(path) as f:
-            self.context_selector.load_state_dict(json.load(f))
+        self.context_selector.load_state(path)
         if self.args.drafter_cost is None and os.path.exists(os.path.join(checkpoint, COST_MODEL_FILE)):
             # The costs measured by the interrupted run, not a new (noisy) measurement: same rewards as before.
             self.cost_model = CostModel.from_pretrained(checkpoint)
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    """``model.eval()`` for the block, then its previous mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def _index_rows(value, order: torch.Tensor, rows: int):
+    """Reorder the rows of one entry of TRL's batch dict (tensors and lists with one item per row)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+        return value[order.to(value.device)]
+    if isinstance(value, list) and len(value) == rows:
+        return [value[i] for i in order.tolist()]
+    return value
 
 
 def _max_positions(model) -> int:

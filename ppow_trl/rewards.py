@@ -46,23 +46,26 @@ def divergence(p: torch.Tensor, q: torch.Tensor, kind: str = "tv") -> torch.Tens
     raise ValueError(f"Unknown divergence {kind!r}; choose one of {DIVERGENCES}.")
 
 
+def proximity_terms(target_probs: torch.Tensor, drafter_probs: torch.Tensor, kind: str = "tv") -> torch.Tensor:
+    """Per-position proximity ``r_i``: ``1 - TV(p_i, q_i)`` (the expected acceptance rate at position ``i``),
+    or ``-KL(p_i || q_i)`` / ``-JS(p_i, q_i)``. ``(B, K)``; ``target_probs`` may carry the bonus position
+    ``K + 1``, which is ignored."""
+    distance = divergence(target_probs[:, : drafter_probs.shape[1]], drafter_probs, kind)
+    return 1.0 - distance if kind == "tv" else -distance
+
+
 def proximity_reward(
     target_probs: torch.Tensor,
     drafter_probs: torch.Tensor,
     window_mask: torch.Tensor,
     kind: str = "tv",
 ) -> torch.Tensor:
-    """Distribution-based proximity reward ``R_prox = (1/L) sum_{i<=L} r_i``. ``(B,)``.
+    """Distribution-based proximity reward ``R_prox = (1/L) sum_{i<=L} r_i`` (``proximity_terms``). ``(B,)``.
 
-    ``r_i = 1 - TV(p_i, q_i)`` (the expected acceptance rate at position ``i``) by default, or
-    ``-KL(p_i || q_i)`` / ``-JS(p_i, q_i)``. ``target_probs`` may be ``(B, K, V)`` or ``(B, K + 1, V)``
-    (the bonus position is ignored). Empty windows get 0.
+    Empty windows get 0.
     """
-    max_window = window_mask.shape[1]
-    distance = divergence(target_probs[:, :max_window], drafter_probs, kind)
-    per_position = 1.0 - distance if kind == "tv" else -distance
     lengths = window_mask.sum(dim=-1)
-    return (per_position * window_mask).sum(dim=-1) / lengths.clamp_min(1)
+    return (proximity_terms(target_probs, drafter_probs, kind) * window_mask).sum(dim=-1) / lengths.clamp_min(1)
 
 
 def window_reward(speed_reward: torch.Tensor, proximity: torch.Tensor, proximity_weight: float) -> torch.Tensor:

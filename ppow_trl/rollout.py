@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .verification import lengths_to_mask, probabilities_from_logits
-from .windowing import AdaptiveWindowPolicy, drafter_confidence
+from .windowing import AdaptiveWindowPolicy
 
 
 def left_pad(sequences: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,17 +39,16 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 class DraftedWindows:
     """Windows drafted after a batch of contexts.
 
-    ``window_ids`` (B, K); ``drafter_probs`` (B, K, V) the distributions the tokens were drawn from;
-    ``window_mask`` (B, K) the ``L <= K`` tokens the window policy keeps.
+    ``window_ids`` (B, K); ``drafter_probs`` (B, K, V) the distributions the tokens were drawn from (one-hot
+    when drafting greedily); ``window_mask`` (B, K) the ``L <= K`` tokens the window policy keeps;
+    ``confidences`` (B, K) the policy's ``conf = max softmax(z / T_c)`` of each drafted position (what the
+    rule decided on; not ``max q``, which is 1 for greedy drafting).
     """
 
     window_ids: torch.Tensor
     drafter_probs: torch.Tensor
     window_mask: torch.Tensor
-
-    @property
-    def confidences(self) -> torch.Tensor:
-        return drafter_confidence(self.drafter_probs)
+    confidences: torch.Tensor
 
 
 def _prefill(model, contexts, pad_id, num_samples_per_context):
@@ -85,21 +84,24 @@ def draft_windows(
 ) -> DraftedWindows:
     """Draft up to ``policy.max_window`` tokens after each context (drafter KV cache, one token per step).
 
-    ``temperature = 0`` drafts greedily. With ``num_samples_per_context = G`` each context is prefilled
+    ``temperature = 0`` drafts greedily (the window rule still uses the policy's confidences
+    ``max softmax(z / T_c)``, never the one-hot ``q``). With ``num_samples_per_context = G`` each context is prefilled
     once and ``G`` windows are sampled from the shared cache (GRPO's group); rows are ordered context
     by context. Rows keep drafting as a batch until every row's policy has stopped (or ``K`` is
     reached); the mask keeps the prefix the policy chose, which is what a row drafting alone would
     have proposed.
     """
     logits, cache, mask, last_position = _prefill(drafter, contexts, pad_id, num_samples_per_context)
-    tokens, probs = [], []
+    tokens, probs, confidences = [], [], []
     running = torch.ones(logits.shape[0], device=logits.device)
     for step in range(policy.max_window):
-        q = probabilities_from_logits(logits[..., :vocab_size] if vocab_size else logits, temperature)
+        logits = logits[..., :vocab_size] if vocab_size else logits
+        q = probabilities_from_logits(logits, temperature)
         token = torch.multinomial(q, 1, generator=generator).squeeze(-1) if temperature > 0 else q.argmax(-1)
         tokens.append(token)
         probs.append(q)
-        running = running * drafter_confidence(q)
+        confidences.append(policy.confidence(logits))
+        running = running * confidences[-1]
         if not policy.keep_drafting(running, step + 1).any():
             break
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
@@ -108,9 +110,10 @@ def draft_windows(
                       use_cache=True)
         logits = out.logits[:, -1]
     window_ids = torch.stack(tokens, dim=1)
-    drafter_probs = torch.stack(probs, dim=1)
-    window_mask = lengths_to_mask(policy.window_lengths(drafter_confidence(drafter_probs)), window_ids.shape[1])
-    return DraftedWindows(window_ids=window_ids, drafter_probs=drafter_probs, window_mask=window_mask)
+    confidences = torch.stack(confidences, dim=1)
+    window_mask = lengths_to_mask(policy.window_lengths(confidences), window_ids.shape[1])
+    return DraftedWindows(window_ids=window_ids, drafter_probs=torch.stack(probs, dim=1), window_mask=window_mask,
+                          confidences=confidences)
 
 
 @torch.no_grad()

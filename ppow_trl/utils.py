@@ -87,11 +87,32 @@ def save_json(data: dict, folder, filename: str) -> Path:
     return path
 
 
-def load_json(folder, filename: str, missing_hint: str) -> dict:
-    """Read ``folder/filename``; a missing file raises FileNotFoundError ending with ``missing_hint``."""
+def load_json(folder_or_repo, filename: str, missing_hint: str, **hub_kwargs) -> dict:
+    """Read ``filename`` from a local folder, or from a Hub repo id through ``huggingface_hub.hf_hub_download``.
+
+    A string that is not an existing folder is taken as a repo id; ``hub_kwargs`` (``revision=``, ``token=``,
+    ``cache_dir=``...) go to ``hf_hub_download``. A missing file raises FileNotFoundError ending with
+    ``missing_hint``.
+    """
     import json
 
-    path = Path(folder) / filename
-    if not path.is_file():
-        raise FileNotFoundError(f"No {filename} in {folder}: {missing_hint}")
-    return json.loads(path.read_text())
+    folder = Path(folder_or_repo)
+    if folder.is_dir() or not _looks_like_repo_id(folder_or_repo):
+        path = folder / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"No {filename} in {folder}: {missing_hint}")
+        return json.loads(path.read_text())
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        path = hf_hub_download(str(folder_or_repo), filename, **hub_kwargs)
+    except EntryNotFoundError as error:
+        raise FileNotFoundError(f"No {filename} in the Hub repo {folder_or_repo}: {missing_hint}") from error
+    return json.loads(Path(path).read_text())
+
+
+def _looks_like_repo_id(name) -> bool:
+    """``owner/name`` or ``name`` without path separators beyond one ``/``, not an existing path."""
+    text = str(name)
+    return not Path(text).exists() and text.count("/") <= 1 and not text.startswith((".", "~")) and bool(text)

@@ -195,3 +195,16 @@ def speculative_sampling_verify(
     next_probs = torch.where(rejected, residual_distribution(p_next, q_next), p_next)
     next_token = torch.multinomial(next_probs, 1, generator=generator).squeeze(-1)
     return VerificationResult(accepted_length=accepted, next_token=next_token)
+
+
+def acceptance_histogram(accepted_lengths: list[int], max_window: int) -> list[int]:
+    """``hist[a]`` = number of rounds whose verifier accepted ``a`` drafted tokens, ``a = 0..K`` (``K = max_window``).
+
+    ``accepted_lengths``: one ``A`` per round, each in ``[0, K]`` (a value outside raises ``ValueError``).
+    """
+    hist = [0] * (max_window + 1)
+    for accepted in map(int, accepted_lengths):
+        if not 0 <= accepted <= max_window:
+            raise ValueError(f"accepted length {accepted} lies outside [0, {max_window}] (max_window).")
+        hist[accepted] += 1
+    return hist

@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
 from .cost import CostModel, overall_speedup
+from .custom_generate.generate import keep_drafting, window_confidence
 from .rewards import divergence
 from .utils import load_json, save_json
 
@@ -23,7 +24,8 @@ WINDOW_POLICY_FILE = "ppow_window_policy.json"
 
 
 def drafter_confidence(drafter_probs: torch.Tensor) -> torch.Tensor:
-    """``conf_t = max_v q_t(v)``: the probability of the drafter's most likely token."""
+    """``conf_t = max_v q_t(v)`` of a distribution already computed (window selection's ``s_t``; the window
+    *rule* uses ``AdaptiveWindowPolicy.confidence`` on logits instead, at its own temperature)."""
     return drafter_probs.float().amax(dim=-1)
 
 
@@ -76,18 +78,28 @@ def sample_window_starts(
 class AdaptiveWindowPolicy:
     """The window-length rule: draft while ``prod_{j<=i} conf_j >= threshold`` and ``i < max_window``.
 
-    The first token is always drafted; the token whose confidence pushes the estimate below ``h`` is
-    still proposed (it may be accepted) and ends the window. ``threshold = 0`` is a fixed window of
-    ``max_window`` tokens. (A threshold on the acceptance estimate is optimal for this stopping
-    problem under mild assumptions: SpecDec++, arXiv 2405.19715.)
+    ``conf_j = max_v softmax(z_j / confidence_temperature)`` of the drafter's logits ``z_j``: a property of
+    the policy, the same in training rollouts, our generation loop, the HF hook, calibration and the
+    benchmark, greedy or sampled (``ppow_trl/custom_generate/generate.py`` holds the rule). The first token is
+    always drafted; the token whose confidence pushes the estimate below ``h`` is still proposed (it may be
+    accepted) and ends the window. ``threshold = 0`` is a fixed window of ``max_window`` tokens. (A threshold
+    on the acceptance estimate is optimal for this stopping problem under mild assumptions: SpecDec++, arXiv
+    2405.19715.)
 
     Args:
         max_window (`int`): ``K``, the most tokens drafted per round (>= 1).
         threshold (`float`): ``h`` in ``[0, 1]``.
+        confidence_temperature (`float`): ``T_c > 0`` of the confidences (files saved before it existed load
+            with 1.0, the value every route used for sampled windows).
+        calibration (`dict`, *optional*): how ``(K, h)`` were chosen, written by
+            ``ppow_trl.calibration.calibrate_policy``: the regime they are for (``"greedy"`` or ``"sampling"``
+            and its temperature), the number of held-out contexts, the predicted speedup. ``None``: set by hand.
     """
 
     max_window: int = 8
     threshold: float = 0.0
+    confidence_temperature: float = 1.0
+    calibration: dict | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_window, int) or self.max_window < 1:
@@ -96,10 +108,16 @@ class AdaptiveWindowPolicy:
             raise ValueError(
                 f"threshold (h) must lie in [0, 1], got {self.threshold!r}: it is compared with a product of probabilities."
             )
+        if not float(self.confidence_temperature) > 0:
+            raise ValueError(f"confidence_temperature (T_c) must be > 0, got {self.confidence_temperature!r}.")
+
+    def confidence(self, logits: torch.Tensor) -> torch.Tensor:
+        """``conf = max_v softmax(z / T_c)``: the drafter's confidence from its logits ``z`` (last dim = vocab)."""
+        return window_confidence(logits, self.confidence_temperature)
 
     def keep_drafting(self, running_acceptance: torch.Tensor, num_drafted: int) -> torch.Tensor:
         """Whether to draft another token after ``num_drafted`` tokens with estimate ``prod conf``."""
-        return (running_acceptance >= self.threshold) & (num_drafted < self.max_window)
+        return keep_drafting(running_acceptance, num_drafted, self.max_window, self.threshold)
 
     def window_lengths(self, confidences: torch.Tensor) -> torch.Tensor:
         """Lengths the rule picks given per-position confidences ``(B, >=K)`` of a drafted sequence. ``(B,)``.
@@ -110,13 +128,31 @@ class AdaptiveWindowPolicy:
         running = confidences[:, : self.max_window - 1].float().cumprod(dim=-1)
         return 1 + self.keep_drafting(running, 0).sum(dim=-1)
 
+    def with_window(self, max_window: int, threshold: float) -> "AdaptiveWindowPolicy":
+        """The same confidence definition with another ``(K, h)`` (``calibration`` dropped)."""
+        return AdaptiveWindowPolicy(int(max_window), float(threshold), self.confidence_temperature)
+
     def save_pretrained(self, folder: str | Path) -> Path:
         """Save as ``folder/ppow_window_policy.json``, so generation uses the rule training used."""
         return save_json(asdict(self), folder, WINDOW_POLICY_FILE)
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path) -> "AdaptiveWindowPolicy":
-        return cls(**load_json(folder, WINDOW_POLICY_FILE, "this drafter was not saved by ppow_trl."))
+    def from_dict(cls, data: dict) -> "AdaptiveWindowPolicy":
+        """From a saved dict; keys this version does not know are an error naming them."""
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(
+                f"Unknown window-policy fields {sorted(unknown)}: this {WINDOW_POLICY_FILE} was written by a newer "
+                "ppow_trl; upgrade ppow_trl."
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_pretrained(cls, folder_or_repo: str | Path, **hub_kwargs) -> "AdaptiveWindowPolicy":
+        """Load ``ppow_window_policy.json`` from a local folder, or from a Hub repo id (``hf_hub_download``;
+        ``hub_kwargs`` such as ``revision=`` are passed on)."""
+        return cls.from_dict(load_json(folder_or_repo, WINDOW_POLICY_FILE, "this drafter was not saved by ppow_trl.",
+                                       **hub_kwargs))
 
 
 def policy_speedup(
@@ -138,18 +174,20 @@ def calibrate_window_policy(
     cost_model: CostModel,
     thresholds=tuple(i / 20 for i in range(20)),
     max_windows=None,
+    confidence_temperature: float = 1.0,
 ) -> tuple[AdaptiveWindowPolicy, list[dict]]:
     """Choose ``(K, h)`` maximising the cost-model speedup on held-out rollouts; returns it and the grid.
 
-    ``confidences`` and ``prefix_acceptance`` are ``(N, K_max)`` from windows of ``K_max`` tokens drafted
-    on held-out contexts (see ``policy_speedup``).
+    ``confidences`` (at ``confidence_temperature``) and ``prefix_acceptance`` are ``(N, K_max)`` from windows
+    of ``K_max`` tokens drafted on held-out contexts (see ``policy_speedup``). This is the grid search on
+    tensors; ``ppow_trl.calibration.calibrate_policy`` drafts and verifies those windows and calls it.
     """
     max_windows = max_windows or range(1, confidences.shape[1] + 1)
     grid = []
     for max_window in max_windows:
         for threshold in thresholds:
-            policy = AdaptiveWindowPolicy(max_window=int(max_window), threshold=float(threshold))
+            policy = AdaptiveWindowPolicy(int(max_window), float(threshold), confidence_temperature)
             value = policy_speedup(policy, confidences, prefix_acceptance, cost_model).item()
             grid.append({"max_window": int(max_window), "threshold": float(threshold), "speedup": value})
     best = max(grid, key=lambda row: row["speedup"])
-    return AdaptiveWindowPolicy(best["max_window"], best["threshold"]), grid
+    return AdaptiveWindowPolicy(best["max_window"], best["threshold"], confidence_temperature), grid

@@ -109,3 +109,20 @@ def easy_hard_bigram_table(vocab: int = 64, first_content: int = 8, split: int =
             hard = torch.randint(split, vocab, (4,), generator=g)
             table[token, torch.cat([easy, hard])] = 5.0
     return table
+
+
+# Device-parametrised tests (tests/test_cuda.py): `cpu` always; `cuda` carries the `cuda` mark and is
+# skipped without a CUDA device, so `pytest -m cuda` runs exactly the GPU half on a GPU machine.
+DEVICE_PARAMS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+    ),
+]
+
+
+@pytest.fixture(params=DEVICE_PARAMS)
+def device(request) -> torch.device:
+    return torch.device(request.param)

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from conftest import easy_hard_bigram_table, make_bigram_llama, make_tiny_tokenizer  # noqa: E402
+from ppow_trl.contexts import score_sequences  # noqa: E402
 from ppow_trl.ppow_config import PPOWConfig  # noqa: E402
 from ppow_trl.ppow_trainer import PPOWTrainer  # noqa: E402
 
@@ -99,12 +100,28 @@ def main() -> None:
     trainer.context_selector.draw = recording_draw
     trainer._select_contexts = recording_select
     trainer.rollout_func = recording_rollout
-    refreshes = []
+    refreshes, refreshed_scores = [], []
     refresh = trainer._refresh_selection_scores
 
     def recording_refresh():
+        # Which sequences this refresh covers (each process scores its share; the scores are gathered).
+        selector, pool = trainer.context_selector, trainer.context_pool
+        count = min(args.selection_refresh_sequences, len(pool.responses))
+        first = (selector.refresh_count * count) % len(pool.responses)
+        sequences = [(first + i) % len(pool.responses) for i in range(count)]
         refresh()
         refreshes.append(trainer.context_selector.probabilities().tolist())
+        # All of them, scored here in one process: the gathered scores must land on the same candidates.
+        rows = score_sequences(trainer.target, trainer._unwrapped_drafter(), [pool.sequence_ids(s) for s in sequences],
+                               [len(pool.prompts[s]) for s in sequences], vocab_size=trainer.vocab_size,
+                               target_temperature=trainer._verify_temperature, drafter_temperature=args.temperature,
+                               kind=args.selection_divergence)
+        candidates = pool.candidates_of(sequences)
+        refreshed_scores.append({
+            "num_scored": int(selector.scored.sum()),
+            "max_difference": float((selector.scores[candidates] - torch.cat(rows).cpu()).abs().max()),
+            "all_scored": bool(selector.scored[candidates].all()),
+        })
 
     trainer._refresh_selection_scores = recording_refresh
 
@@ -133,6 +150,7 @@ def main() -> None:
         "global_step": trainer.state.global_step,
         "steps": steps,
         "selection_probabilities": refreshes,
+        "refreshed_scores": refreshed_scores,
         "log_history": trainer.state.log_history,
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
+import os
 import time
 
 import pytest
 import torch
 from conftest import make_tiny_llama
-from datasets import Dataset
+from datasets import Dataset, Features, Value, load_from_disk
 
 from ppow_trl import data
+from ppow_trl.data import cache
 from ppow_trl.data import (
     build_target_responses,
     compute_target_topk,
@@ -245,6 +249,117 @@ def test_model_fingerprint_sees_weights(target):
     with torch.no_grad():
         target.lm_head.weight[0, 0] += 1.0
     assert data.model_fingerprint(target)["weights"] != before["weights"]
+
+
+def test_cache_folder_name_is_stable(tmp_path):
+    """The folder name is the hash of the manifest: pinned, so a refactor cannot silently orphan existing caches."""
+    folder = data.open_cache_folder(tmp_path, "responses", {"model": "m", "batch_size": 2})
+    assert folder.name == "responses-ec4811e64d40359f"
+    assert sorted(path.name for path in folder.iterdir()) == ["manifest.json"]
+
+
+# ------------------------------------------------------------------------------------- concurrent builders
+
+
+_ROWS = Features({"id": Value("string"), "writer": Value("int64")})
+
+
+def _tagged_rows(rows):
+    """Output rows tagged with the writing process, so a test can tell whose shard was published."""
+    return [{"id": row["id"], "writer": os.getpid()} for row in rows]
+
+
+def _leftovers(folder):
+    return [path.name for path in folder.rglob("*") if ".tmp" in path.name]
+
+
+def test_publishing_onto_an_existing_shard_keeps_the_first(tmp_path):
+    """The loser of a publish race discards its copy: the destination keeps the winner's data, no temp is left."""
+    folder = tmp_path / "shard-00000"
+    first = Dataset.from_dict({"id": ["a"], "writer": [1]}, features=_ROWS)
+    second = Dataset.from_dict({"id": ["a"], "writer": [2]}, features=_ROWS)
+    assert cache._save_atomically(first, folder) is True
+    assert cache._save_atomically(second, folder) is False
+    assert load_from_disk(str(folder)).to_list() == first.to_list()
+    assert cache._write_json_atomically({"v": 1}, tmp_path / "manifest.json") is True
+    assert cache._write_json_atomically({"v": 2}, tmp_path / "manifest.json") is False
+    assert json.loads((tmp_path / "manifest.json").read_text()) == {"v": 1}
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_shard_published_meanwhile_by_another_process_is_used(tmp_path):
+    """Simulated race: while we compute a chunk, another process publishes that shard; we end with theirs."""
+    inputs = Dataset.from_dict({"id": [f"p{i}" for i in range(5)]})
+    kwargs = dict(features=_ROWS, kind="race", settings={"test": 1}, cache_dir=tmp_path, chunk_size=2, batch_size=2)
+    folder = data.open_cache_folder(tmp_path, "race", {"test": 1})
+
+    def process_batch(rows):
+        shard = folder / f"shard-{int(rows[0]['id'][1:]) // 2:05d}"
+        theirs = [{"id": row["id"], "writer": -1} for row in rows]
+        cache._save_atomically(Dataset.from_list(theirs, features=_ROWS), shard)  # the other process wins
+        return _tagged_rows(rows)
+
+    built = data.build_sharded_dataset(inputs, process_batch, **kwargs)
+    assert built["writer"] == [-1] * 5 and built["id"] == inputs["id"]
+    assert data.build_sharded_dataset(inputs, process_batch, **kwargs).to_list() == built.to_list()  # from disk
+    assert sorted(path.name for path in folder.iterdir()) == ["manifest.json", "shard-00000", "shard-00001",
+                                                              "shard-00002"]
+
+
+def _build_in_another_process(cache_dir, barrier, results):
+    """One of two processes building the same cache; both reach each publish at the same moment."""
+
+    def process_batch(rows):
+        barrier.wait(timeout=120)  # both have computed this chunk: they now race to publish it
+        return _tagged_rows(rows)
+
+    inputs = Dataset.from_dict({"id": [f"p{i}" for i in range(6)]})
+    built = data.build_sharded_dataset(inputs, process_batch, features=_ROWS, kind="race", settings={"test": 2},
+                                       cache_dir=cache_dir, chunk_size=3, batch_size=3)
+    results.put(built.to_list())
+
+
+@pytest.mark.slow
+def test_two_processes_building_the_same_cache_agree(tmp_path):
+    """Two processes (spawned) build the same two-shard cache at once: both end with the published shards."""
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(2), context.Queue()
+    workers = [context.Process(target=_build_in_another_process, args=(tmp_path, barrier, results)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    outputs = [results.get(timeout=300) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+    (folder,) = tmp_path.glob("race-*")
+    assert sorted(path.name for path in folder.iterdir()) == ["manifest.json", "shard-00000", "shard-00001"]
+    published = [row for shard in ("shard-00000", "shard-00001") for row in load_from_disk(str(folder / shard))]
+    assert outputs[0] == outputs[1] == published
+    assert [row["id"] for row in published] == [f"p{i}" for i in range(6)]
+    assert {row["writer"] for row in published} <= {worker.pid for worker in workers}
+
+
+def test_main_process_first_is_a_no_op_in_one_process_and_waits_in_several(monkeypatch):
+    import accelerate
+
+    calls = []
+
+    class FakeState:
+        def __init__(self, num_processes):
+            self.num_processes = num_processes
+
+        @contextlib.contextmanager
+        def main_process_first(self):
+            calls.append("enter")
+            yield
+            calls.append("exit")
+
+    for num_processes, expected in ((1, []), (2, ["enter", "body", "exit"])):
+        calls.clear()
+        monkeypatch.setattr(accelerate, "PartialState", lambda n=num_processes: FakeState(n))
+        with data.main_process_first():
+            calls.append("body")
+        assert calls == (expected or ["body"])
 
 
 # ------------------------------------------------------------------------------------------------ top-k

@@ -151,11 +151,12 @@ def test_exact_greedy_tau_equals_live_loop():
     g = torch.Generator().manual_seed(11)
     for _ in range(40):
         prompt = random_prompt(g)
+        confidence_temperature = float(torch.rand((), generator=g)) + 0.5
         policy = AdaptiveWindowPolicy(max_window=int(torch.randint(1, 7, (1,), generator=g)),
-                                      threshold=float(torch.rand((), generator=g)) ** 2)
+                                      threshold=float(torch.rand((), generator=g)) ** 2,
+                                      confidence_temperature=confidence_temperature)
         max_new_tokens = int(torch.randint(1, 21, (1,), generator=g))
-        temperature = float(torch.rand((), generator=g)) + 0.5
-        kwargs = dict(policy=policy, max_new_tokens=max_new_tokens, eos_token_id=EOS, temperature=temperature)
+        kwargs = dict(policy=policy, max_new_tokens=max_new_tokens, eos_token_id=EOS)
         live = speculative_generate(target, drafter, prompt, **kwargs)
         exact = exact_greedy_tau(target, drafter, prompt, **kwargs)
         assert exact.new_tokens == live.new_tokens
@@ -184,7 +185,8 @@ def test_sampling_matches_target_distribution(temperature, threshold):
         first = torch.softmax(target(prompt).logits[0, -1] / temperature, -1)
     expected = (first[:, None] * step).flatten().double()
     expected = expected / expected.sum()
-    policy = AdaptiveWindowPolicy(max_window=3, threshold=threshold)
+    # confidences at the sampling temperature: the adaptive rule then gives windows of 1 and 2 tokens
+    policy = AdaptiveWindowPolicy(max_window=3, threshold=threshold, confidence_temperature=temperature)
     g = torch.Generator().manual_seed(5)
     counts = torch.zeros(vocab * vocab, dtype=torch.double)
     samples, rejections, drafted = 800, 0, 0

@@ -94,9 +94,13 @@ def check_two_process_training(reports: list[dict]) -> None:
     assert torch.equal(first["final"], second["final"])
     assert not torch.allclose(first["final"], first["initial"])
     assert reports[0]["final_checksum"] == reports[1]["final_checksum"] != reports[0]["initial_checksum"]
-    # The divergence-aware selection scores are computed on the main process and broadcast.
+    # Each process scores its share of a refresh's sequences; the gathered scores give every process the same
+    # selection probabilities, equal to scoring every sequence in one process.
     assert reports[0]["selection_probabilities"] == reports[1]["selection_probabilities"]
     assert len(reports[0]["selection_probabilities"]) >= 1
+    assert reports[0]["refreshed_scores"] == reports[1]["refreshed_scores"]
+    for refreshed in reports[0]["refreshed_scores"]:
+        assert refreshed["all_scored"] and refreshed["max_difference"] < 1e-5, refreshed
 
     group = reports[0]["num_generations"]
     for step in range(STEPS):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from transformers import TrainerCallback
 from ppow_trl.cost import CostModel, speedup
 from ppow_trl.models import make_drafter
 from ppow_trl.ppow_config import PPOWConfig
-from ppow_trl.ppow_trainer import PPOWTrainer, accepted_tokens_to_go, per_token_advantages
+from ppow_trl.ppow_trainer import PPOWTrainer
 from ppow_trl.rewards import proximity_reward
 from ppow_trl.rollout import draft_windows, target_window_probs
 from ppow_trl.verification import acceptance_probabilities, expected_accepted_length, prefix_acceptance_probabilities
@@ -99,7 +100,8 @@ def test_training_raises_held_out_tau_and_adapts_windows_to_easy_and_hard_positi
 def test_trainer_rewards_equal_the_core_and_target_stays_frozen(tmp_path, bigram):
     table, target = bigram
     before = {k: v.clone() for k, v in target.state_dict().items()}
-    trainer = PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path, proximity_weight=0.3),
+    trainer = PPOWTrainer(model=noisy_drafter(table), target_model=target,
+                          args=config(tmp_path, proximity_weight=0.3, keep_window_distributions=True),
                           train_dataset=response_dataset(target, count=8), processing_class=make_tiny_tokenizer())
     trainer.train()
     w = trainer.last_window_rewards
@@ -161,7 +163,8 @@ def test_reduced_vocabulary_drafter_trains_with_correct_log_probs(tmp_path):
     mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, out["completion_ids"].shape[1])
     w = trainer.last_window_rewards
-    sampled = w["drafter_probs"].gather(-1, w["window_ids"][..., None]).squeeze(-1).log()
+    assert "drafter_probs" not in w and "target_probs" not in w  # full distributions are not kept by default
+    sampled = w["sampled_logq"]
     assert torch.allclose(logps[w["window_mask"]], sampled[w["window_mask"]], atol=1e-4)
     assert (w["window_ids"] % 2 == 0).logical_or(w["window_ids"] == 3).all()  # drafted inside the draft vocab
     trainer.train()
@@ -209,8 +212,9 @@ def test_checkpoint_kill_resume_continues_the_same_run(tmp_path, bigram):
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     checkpoint = tmp_path / "run" / "checkpoint-3"
-    saved = json.loads((checkpoint / "ppow_context_selector.json").read_text())
-    assert saved["last_refresh_step"] == 2 and sum(saved["scored"]) > 0
+    saved = torch.load(checkpoint / "ppow_context_selector.pt", weights_only=True)  # tensors, not a JSON list
+    assert saved["scores"].dtype == torch.float32 and saved["scored"].dtype == torch.bool
+    assert saved["last_refresh_step"] == 2 and saved["scored"].sum() > 0
 
     resumed = make(tmp_path / "run")
     resumed.train(resume_from_checkpoint=str(checkpoint))
@@ -220,26 +224,40 @@ def test_checkpoint_kill_resume_continues_the_same_run(tmp_path, bigram):
     # same stream, same updates: the resumed run ends where the uninterrupted one did
     for (name, a), b in zip(reference.model.named_parameters(), resumed.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6), name
-    assert (tmp_path / "run" / "checkpoint-6" / "ppow_context_selector.json").exists()
+    assert (tmp_path / "run" / "checkpoint-6" / "ppow_context_selector.pt").exists()
+
+    # A checkpoint written before the tensor file (a JSON list per candidate) resumes the same run.
+    legacy = tmp_path / "legacy" / "checkpoint-3"
+    shutil.copytree(checkpoint, legacy)
+    (legacy / "ppow_context_selector.pt").unlink()
+    (legacy / "ppow_context_selector.json").write_text(json.dumps(
+        {"scores": saved["scores"].tolist(), "scored": saved["scored"].tolist(), "seed": saved["seed"],
+         "last_refresh_step": saved["last_refresh_step"], "refresh_count": saved["refresh_count"]}))
+    from_json = make(tmp_path / "legacy")
+    from_json.train(resume_from_checkpoint=str(legacy))
+    for (name, a), b in zip(reference.model.named_parameters(), from_json.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
 
 
-def test_per_token_credit(tmp_path, bigram):
-    prefix = torch.tensor([[1.0, 0.5, 0.25, 0.0], [0.5, 0.5, 0.0, 0.0]])
-    assert torch.allclose(accepted_tokens_to_go(prefix), torch.tensor([[1.75, 0.75, 0.25, 0.0], [1.0, 0.5, 0.0, 0.0]]))
-    credit = torch.tensor([[2.0, 1.0], [0.0, 0.0], [1.0, 1.0], [3.0, 1.0]])
-    mask = torch.ones(4, 2)
-    adv = per_token_advantages(credit, mask, group_size=2)
-    for group in (slice(0, 2), slice(2, 4)):
-        want = (credit[group] - credit[group].mean(0)) / (credit[group].std(0) + 1e-4)
-        assert torch.allclose(adv[group], want)
-    assert torch.allclose(adv[:2, 0], torch.tensor([0.7071, -0.7071]), atol=1e-3)
+def test_per_token_credit_modes(tmp_path, bigram):
+    """'replace' gives per-position advantages (0 on padding); 'add' adds them to TRL's window advantage."""
     table, target = bigram
-    trainer = PPOWTrainer(model=noisy_drafter(table), target_model=target, args=config(tmp_path, per_token_credit=True),
-                          train_dataset=response_dataset(target, count=8), processing_class=make_tiny_tokenizer())
-    trainer.model.train()
-    out = trainer._generate_and_score_completions([trainer.train_dataset[i] for i in range(4) for _ in range(4)])
-    assert out["advantages"].shape == out["completion_ids"].shape
-    assert (out["advantages"][out["completion_mask"] == 0] == 0).all()
+    rows = [i for i in range(4) for _ in range(4)]
+    outputs = {}
+    for mode in ("none", "replace", "add"):
+        trainer = PPOWTrainer(model=noisy_drafter(table), target_model=target,
+                              args=config(tmp_path, per_token_credit=mode, window_threshold=0.5),
+                              train_dataset=response_dataset(target, count=8), processing_class=make_tiny_tokenizer())
+        trainer.model.train()
+        outputs[mode] = trainer._generate_and_score_completions([trainer.train_dataset[i] for i in rows])
+    window, replace, add = outputs["none"], outputs["replace"], outputs["add"]
+    assert window["advantages"].dim() == 1
+    mask = replace["completion_mask"].bool()
+    assert replace["advantages"].shape == replace["completion_ids"].shape
+    assert (replace["advantages"][~mask] == 0).all() and (add["advantages"][~mask] == 0).all()
+    # same rounds (seeded by round index), so the windows are the same and add = window + replace
+    assert torch.equal(window["completion_ids"], replace["completion_ids"])
+    assert torch.allclose(add["advantages"], window["advantages"][:, None] * mask + replace["advantages"], atol=1e-6)
     trainer.train()
 
 

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppow_trl.verification import (
+    acceptance_histogram,
     acceptance_probabilities,
     expected_accepted_length,
     greedy_accepted_length,
@@ -253,3 +254,17 @@ def test_window_prefix_acceptance_sums_to_the_accepted_length():
     assert set(greedy.unique().tolist()) <= {0.0, 1.0} and (greedy[:, 1:] <= greedy[:, :-1]).all()
     sampled = window_prefix_acceptance(window, p, q, mask)
     assert torch.allclose(sampled.sum(-1), expected_accepted_length(acceptance_probabilities(window, p, q, mask), mask))
+
+
+def test_acceptance_histogram_counts_rounds_by_accepted_length():
+    """hist[a] = rounds with A = a, a = 0..K: against a brute-force count over random lengths."""
+    generator = torch.Generator().manual_seed(0)
+    for max_window in (1, 2, 5, 8):
+        for num_rounds in (0, 1, 7, 50):
+            lengths = torch.randint(0, max_window + 1, (num_rounds,), generator=generator).tolist()
+            hist = acceptance_histogram(lengths, max_window)
+            assert len(hist) == max_window + 1 and sum(hist) == num_rounds
+            assert hist == [sum(1 for length in lengths if length == a) for a in range(max_window + 1)]
+    for bad in ([3], [-1]):
+        with pytest.raises(ValueError, match="outside"):
+            acceptance_histogram(bad, 2)

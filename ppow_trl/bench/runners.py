@@ -1,0 +1,150 @@
+"""The benchmarked methods (see the package docstring): one ``_Runner`` per (method, drafter) pair.
+
+A runner generates one prompt's continuation with its method and returns the new tokens plus the loop's own
+statistics; ``CallCounter`` counts the models' forwards while it runs (``timing.py`` reads both).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..cost import CostModel
+from ..generation import speculative_generate
+from ..windowing import AdaptiveWindowPolicy
+
+METHODS = (
+    "target", "hf_assisted", "hf_heuristic", "hf_confidence", "prompt_lookup", "hook", "fast_fixed", "fast_adaptive"
+)
+DRAFTER_METHODS = ("hf_assisted", "hf_heuristic", "hf_confidence", "hook", "fast_fixed", "fast_adaptive")
+FAST_METHODS = ("fast_fixed", "fast_adaptive")
+DEFAULT_METHODS = ("target", "hf_assisted", "fast_fixed", "fast_adaptive")
+MODES = {"greedy": False, "sample": True}  # mode -> do_sample; sampling is at temperature 1
+HF_CONFIDENCE_THRESHOLD = 0.4  # transformers' default assistant_confidence_threshold
+
+
+@dataclass
+class BenchDrafter:
+    """A drafter under test: its model, its window policy (K, h), and optionally its measured cost model."""
+
+    name: str
+    model: torch.nn.Module
+    policy: AdaptiveWindowPolicy
+    cost_model: CostModel | None = None
+    source: str = ""
+
+
+class CallCounter:
+    """Counts calls of modules through forward pre-hooks (``calls[name]``); ``close()`` removes them."""
+
+    def __init__(self):
+        self.calls = Counter()
+        self._handles = []
+
+    def watch(self, name: str, module: torch.nn.Module) -> None:
+        def hook(_module, _args, name=name):
+            self.calls[name] += 1
+
+        self._handles.append(module.register_forward_pre_hook(hook))
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _sampling_kwargs(do_sample: bool) -> dict:
+    """Raw argmax, or the target's raw distribution at T = 1 (override checkpoint defaults such as top-k 50 or a
+    repetition penalty, which the fast loop does not apply)."""
+    if not do_sample:
+        return {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+    return {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
+            "no_repeat_ngram_size": 0}
+
+
+def _assistant_config(drafter: BenchDrafter, schedule: str, threshold: float):
+    config = copy.deepcopy(drafter.model.generation_config)
+    config.num_assistant_tokens = drafter.policy.max_window
+    config.num_assistant_tokens_schedule = schedule
+    config.assistant_confidence_threshold = threshold
+    return config
+
+
+HF_SCHEDULES = {"hf_assisted": ("constant", 0.0), "hf_heuristic": ("heuristic", 0.0),
+                "hf_confidence": ("constant", HF_CONFIDENCE_THRESHOLD)}
+
+
+class _Runner:
+    """Runs one (method, drafter) on a prompt: returns ``(new_tokens, extra)`` where extra holds loop stats."""
+
+    def __init__(self, method, drafter, target, stop_ids, pad_id, vocab_size, k, assistant=None):
+        self.method, self.drafter, self.target = method, drafter, target
+        self.stop_ids, self.pad_id, self.vocab_size, self.assistant = stop_ids, pad_id, vocab_size, assistant
+        self.k = drafter.policy.max_window if drafter is not None else k
+        self.label = method if drafter is None else f"{method}[{drafter.name}]"
+        self.hf_config = None
+
+    def reset(self) -> None:
+        """Fresh HF window settings (HF's heuristic K persists across calls otherwise)."""
+        if self.method in HF_SCHEDULES:
+            self.hf_config = _assistant_config(self.drafter, *HF_SCHEDULES[self.method])
+
+    def __call__(self, input_ids, do_sample: bool, max_new_tokens: int, seed: int):
+        if self.method in FAST_METHODS:
+            return self._fast(input_ids, do_sample, max_new_tokens, seed)
+        kwargs = {}
+        if self.method in HF_SCHEDULES:
+            self.drafter.model.generation_config = self.hf_config  # HF reads the window options from here
+            kwargs["assistant_model"] = self.drafter.model
+        elif self.method == "hook":
+            kwargs["assistant_model"] = self.assistant
+        elif self.method == "prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = self.k
+        torch.manual_seed(seed)
+        out = self.target.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            eos_token_id=self.stop_ids, pad_token_id=self.pad_id, **_sampling_kwargs(do_sample), **kwargs,
+        )
+        return out[0, input_ids.shape[1]:].tolist(), {"prefill_forwards": 0}
+
+    def _fast(self, input_ids, do_sample, max_new_tokens, seed):
+        policy = self.drafter.policy
+        if self.method == "fast_fixed":
+            policy = AdaptiveWindowPolicy(max_window=policy.max_window, threshold=0.0)
+        generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+        out = speculative_generate(
+            self.target, self.drafter.model, input_ids, policy=policy, max_new_tokens=max_new_tokens,
+            do_sample=do_sample, temperature=1.0, eos_token_id=self.stop_ids, vocab_size=self.vocab_size,
+            generator=generator,
+        )
+        extra = {"prefill_forwards": out.prefill_forwards, "loop_target_forwards": out.target_forwards,
+                 "rounds": out.num_rounds, "loop_tau": out.tau, "max_window": out.max_window,
+                 "accepted_per_round": out.accepted_per_round, "window_lengths": out.window_lengths}
+        return out.new_tokens, extra
+
+
+def _make_runners(methods, drafters, target, stop_ids, pad_id, vocab_size, assistants, lookup_k):
+    runners = []
+    for method in methods:
+        for drafter in (drafters if method in DRAFTER_METHODS else [None]):
+            assistant = assistants.get(drafter.name) if drafter is not None else None
+            runners.append(_Runner(method, drafter, target, stop_ids, pad_id, vocab_size, lookup_k, assistant))
+    return runners
+
+
+def _hook_assistant(drafter: BenchDrafter, tokenizer, folder: Path):
+    """Save ``drafter`` with ``ppow_trl.assisted`` and load it back (imported here: the module is optional)."""
+    from ..assisted import load_assistant, save_assistant
+
+    original = copy.deepcopy(drafter.model.generation_config)  # save_assistant also sets the in-memory config
+    try:
+        save_assistant(drafter.model, folder, policy=drafter.policy, cost_model=drafter.cost_model, tokenizer=tokenizer)
+    finally:
+        drafter.model.generation_config = original
+    parameter = next(drafter.model.parameters())
+    return load_assistant(folder).to(device=parameter.device, dtype=parameter.dtype).eval()
+

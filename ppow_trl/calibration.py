@@ -1,0 +1,155 @@
+"""Calibrating the window rule (K, h) on held-out target-generated contexts: the one library function.
+
+``calibrate_policy`` drafts windows of ``K_max`` tokens after held-out contexts (threshold 0, so every
+shorter window the rule could pick is a prefix of the drafted one), verifies them with the target in the
+regime the policy will be served in, and picks the ``(K, h)`` that maximises the cost-model speedup
+``sum_n (E[A_n] + 1) t_t / sum_n (L_n t_d + t_v(L_n))`` (``windowing.calibrate_window_policy``):
+
+- ``"greedy"``: greedy drafting, greedy verification (``P(A >= k)`` is 0/1; exact, since a greedy window
+  cut to ``L`` tokens is what the rule would have drafted);
+- ``"sampling"``: drafting and verification at ``temperature``; ``P(A >= k | y) = prod_{i<=k} alpha_i``;
+- ``"both"``: the mean of the two speedups.
+
+Confidences are the policy's (``max softmax(z / T_c)``) in every regime, the same as every generation
+route computes them. The trainer, the recipe, the demo and the benchmarks all call this function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .cost import CostModel
+from .rollout import draft_windows, target_window_probs
+from .verification import window_prefix_acceptance
+from .windowing import AdaptiveWindowPolicy, calibrate_window_policy, policy_speedup
+
+REGIMES = ("greedy", "sampling", "both")
+DEFAULT_THRESHOLDS = tuple(i / 20 for i in range(20))
+
+
+def held_out_contexts(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    per_response: int = 4,
+    max_contexts: int | None = None,
+) -> list[torch.Tensor]:
+    """Contexts ``prompt + response[:t]`` at ``per_response`` evenly spaced ``t`` of each held-out response.
+
+    Taken response by response, round-robin over positions (all first positions, then all second...), so a
+    ``max_contexts`` cut keeps every response represented.
+    """
+    if per_response < 1:
+        raise ValueError(f"per_response must be >= 1, got {per_response}.")
+    by_response = []
+    for prompt, response in zip(prompt_ids, response_ids):
+        if not len(prompt) or len(response) < 2:
+            continue
+        starts = sorted({int(i * (len(response) - 1) / per_response) for i in range(per_response)})
+        by_response.append([torch.tensor(list(prompt) + list(response[:t]), dtype=torch.long) for t in starts])
+    contexts = [row[i] for i in range(per_response) for row in by_response if i < len(row)]
+    if not contexts:
+        raise ValueError("No held-out context: the calibration data needs prompts and responses of >= 2 tokens.")
+    return contexts[:max_contexts] if max_contexts else contexts
+
+
+@torch.no_grad()
+def calibration_rollouts(
+    target,
+    drafter,
+    contexts: list[torch.Tensor],
+    *,
+    max_window: int,
+    confidence_temperature: float = 1.0,
+    greedy: bool,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    pad_id: int = 0,
+    batch_size: int = 16,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of ``max_window`` tokens after each context: ``(confidences, P(A >= k | y))``, both ``(N, K)``.
+
+    ``greedy``: greedy drafting and verification; else both at ``temperature``. The sampling generator lives on
+    the drafter's device and is seeded by ``seed``.
+    """
+    full = AdaptiveWindowPolicy(max_window, 0.0, confidence_temperature)
+    device = next(drafter.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
+    confidences, prefixes = [], []
+    for start in range(0, len(contexts), batch_size):
+        chunk = contexts[start : start + batch_size]
+        drafted = draft_windows(drafter, chunk, full, pad_id=pad_id, temperature=0.0 if greedy else temperature,
+                                vocab_size=vocab_size, generator=generator)
+        p = target_window_probs(target, chunk, drafted.window_ids, pad_id=pad_id,
+                                temperature=0.0 if greedy else temperature, vocab_size=vocab_size)
+        p = p.to(drafted.drafter_probs.device)
+        prefix = window_prefix_acceptance(drafted.window_ids, p, drafted.drafter_probs, drafted.window_mask,
+                                          greedy=greedy)
+        # Rows of a batch stop together only when all stopped: with h = 0 every row drafts K tokens.
+        confidences.append(drafted.confidences.float().cpu())
+        prefixes.append(prefix.float().cpu())
+    return torch.cat(confidences), torch.cat(prefixes)
+
+
+def calibrate_policy(
+    target,
+    drafter,
+    contexts: list[torch.Tensor],
+    cost_model: CostModel,
+    *,
+    max_window: int,
+    regime: str = "greedy",
+    temperature: float = 1.0,
+    confidence_temperature: float = 1.0,
+    thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
+    max_windows: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+    pad_id: int = 0,
+    batch_size: int = 16,
+    seed: int = 0,
+) -> tuple[AdaptiveWindowPolicy, dict]:
+    """Choose ``(K <= max_window, h)`` for ``drafter`` on held-out ``contexts`` in the served ``regime``.
+
+    Returns the policy (with ``calibration`` filled: regime, temperature, contexts, predicted speedup, E[A])
+    and a report with the grid (speedup of every ``(K, h)`` per regime) and the fixed-``K`` speedup.
+    """
+    if regime not in REGIMES:
+        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}.")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (the sampling regime's), got {temperature}.")
+    regimes = ("greedy", "sampling") if regime == "both" else (regime,)
+    rollouts = {
+        name: calibration_rollouts(target, drafter, contexts, max_window=max_window,
+                                   confidence_temperature=confidence_temperature, greedy=name == "greedy",
+                                   temperature=temperature, vocab_size=vocab_size, pad_id=pad_id,
+                                   batch_size=batch_size, seed=seed)
+        for name in regimes
+    }
+    grids = {name: calibrate_window_policy(conf, prefix, cost_model, thresholds=thresholds, max_windows=max_windows,
+                                           confidence_temperature=confidence_temperature)[1]
+             for name, (conf, prefix) in rollouts.items()}
+    # The grids list the same (K, h) in the same order; "both" maximises the mean speedup.
+    mean = [sum(grids[name][i]["speedup"] for name in regimes) / len(regimes) for i in range(len(grids[regimes[0]]))]
+    best = max(range(len(mean)), key=mean.__getitem__)
+    chosen = grids[regimes[0]][best]
+    policy = AdaptiveWindowPolicy(chosen["max_window"], chosen["threshold"], confidence_temperature)
+    expected = {}
+    for name, (conf, prefix) in rollouts.items():
+        lengths = policy.window_lengths(conf)
+        keep = torch.arange(prefix.shape[1]) < lengths.unsqueeze(-1)
+        expected[name] = float((prefix * keep).sum(-1).mean())
+    fixed = AdaptiveWindowPolicy(max_window, 0.0, confidence_temperature)
+    policy.calibration = {
+        "regime": regime,
+        "temperature": None if regime == "greedy" else temperature,
+        "num_contexts": len(contexts),
+        "max_window_searched": max_window,
+        "predicted_speedup": mean[best],
+        "expected_accepted": expected,
+        "fixed_window_speedup": {name: float(policy_speedup(fixed, conf, prefix, cost_model))
+                                 for name, (conf, prefix) in rollouts.items()},
+    }
+    report = {"policy": policy, "grid": {name: grids[name] for name in regimes}, "mean_speedup": mean}
+    return policy, report

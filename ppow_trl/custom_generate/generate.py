@@ -1,0 +1,224 @@
+"""PPOW adaptive windows: the window rule, and its hook for Hugging Face assisted generation.
+
+This file is the one definition of PPOW's window-length rule. ``ppow_trl.windowing`` imports it,
+``ppow_trl.assisted.attach_window_policy`` (and so ``load_assistant``) installs its ``generate`` in memory, and
+``ppow_trl.assisted.save_assistant`` copies it verbatim into a drafter folder as ``custom_generate/generate.py``.
+It imports only the standard library, torch and transformers (never ppow_trl): a folder loaded with
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` where ppow_trl is not installed still
+applies the same rule.
+
+The rule: after the i-th drafted token, keep drafting while ``prod_{j<=i} conf_j >= h`` and ``i < K``, with
+``conf_j = max_v softmax(z_j / T_c)(v)``: the drafter's logits ``z_j`` at the policy's confidence temperature
+``T_c``, whatever the decoding temperature (greedy drafting still needs real confidences: a one-hot ``q``
+would always give 1). The first token is always drafted; the token that pushes the product below ``h`` is
+still proposed (it may be accepted) and ends the window.
+
+The hook (``generate(*args, model, **kwargs)``, installed as ``functools.partial(generate, model=drafter)``).
+transformers' assisted loop (``target.generate(..., assistant_model=drafter)``) calls the drafter's ``generate``
+once per round with a copy of the target's generation config marked ``is_assistant=True`` (``output_scores=True``,
+``return_dict_in_generate=True``) and the target's logits processors. Only then does the hook act; called
+directly, the drafter generates as usual. It
+
+- reads ``K``, ``h`` and ``T_c`` from ``model.generation_config.ppow_window_policy`` (else from
+  ``ppow_window_policy.json`` next to the weights; ``T_c`` = 1.0 when absent, as in folders saved before it
+  existed);
+- turns off HF's own per-token ``assistant_confidence_threshold`` rule, and, when sampling, the config's copy of
+  the sampling warpers that are already in the target's processor list (transformers 5.24 would otherwise warp
+  the drafter twice, i.e. draft at ``T^2``), so the drafter drafts at the target's temperature, once;
+- adds ``PPOWWindowCriteria``, the stopping criterion that applies the rule, then calls the model class's own
+  ``generate``. HF verifies the drafted tokens as usual, so the output stays lossless whatever the lengths.
+
+Confidences from what the criterion sees. A stopping criterion gets the drafter's *processed* scores: greedy,
+the raw logits ``z`` (``s = 1``); sampling, ``z / T`` after ``TemperatureLogitsWarper`` (``s = T``, the
+sampling temperature ``generation_config.temperature``; ``_applied_temperature`` takes it from the processors
+that really run). The criterion computes ``window_confidence(scores * s, T_c)``, so
+``z / T_c`` is recovered and the window lengths are those ``ppow_trl`` computes from raw logits elsewhere.
+With other processors in effect the confidences are those of the processed scores: under top-k / top-p
+(transformers' default when sampling is ``top_k=50``) they are those of the *truncated* distribution (removed
+entries are ``-inf``, probability 0, and the remaining ones are renormalised), and a repetition penalty or
+similar processor shifts them too. Pass ``top_k=0`` (and no ``top_p``) to get exactly the rule of training.
+
+What running this file does (it is what ``trust_remote_code=True`` executes): importing it imports ``copy``,
+``json``, ``os``, ``torch`` and transformers' stopping criteria, and defines the functions and classes below;
+nothing else happens at import. Calling the hook may read ``ppow_window_policy.json`` next to the weights (a
+local file), copies the generation config and calls the model's own ``generate``. It never touches the network,
+writes no file and starts no process.
+"""
+
+import copy
+import json
+import os
+
+import torch
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+__all__ = ["window_confidence", "keep_drafting", "PPOWWindowCriteria", "ppow_window_policy", "generate"]
+
+PPOW_WINDOW_POLICY_FILE = "ppow_window_policy.json"
+PPOW_GENERATION_CONFIG_KEY = "ppow_window_policy"
+
+
+def window_confidence(logits: torch.Tensor, confidence_temperature: float = 1.0) -> torch.Tensor:
+    """``conf = max_v softmax(z / T_c)(v)`` over the last dimension of the drafter's logits ``z``.
+
+    Entries at ``-inf`` (rows outside a reduced draft vocabulary, or removed by top-k/top-p) get probability 0.
+    """
+    if confidence_temperature <= 0:
+        raise ValueError(f"confidence_temperature (T_c) must be > 0, got {confidence_temperature}.")
+    return torch.softmax(logits.float() / confidence_temperature, dim=-1).amax(dim=-1)
+
+
+def keep_drafting(running_acceptance, num_drafted: int, max_window: int, threshold: float):
+    """Whether to draft another token after ``num_drafted`` tokens whose running estimate is
+    ``running_acceptance = prod_{j<=num_drafted} conf_j``: ``running >= h and num_drafted < K``."""
+    return (running_acceptance >= threshold) & (num_drafted < max_window)
+
+
+class PPOWWindowCriteria(StoppingCriteria):
+    """The window rule for one drafting call of HF's assisted loop (see the module docstring).
+
+    Args:
+        max_window (`int`): ``K``.
+        threshold (`float`): ``h``.
+        confidence_temperature (`float`): ``T_c`` of the confidences.
+        do_sample (`bool`): whether the drafter samples, i.e. whether its scores were divided by ``temperature``.
+        temperature (`float`): the temperature applied to the scores when sampling (``s``); ignored when greedy.
+
+    ``scores`` is the tuple of processed scores of this ``generate`` call (one ``(batch, vocab)`` entry per drafted
+    token); HF's assisted loop always asks the drafter for them (``output_scores=True``).
+    """
+
+    def __init__(self, max_window, threshold, confidence_temperature=1.0, do_sample=False, temperature=1.0):
+        max_window, threshold = int(max_window), float(threshold)
+        confidence_temperature, temperature = float(confidence_temperature), float(temperature)
+        if max_window < 1 or not 0.0 <= threshold <= 1.0 or not confidence_temperature > 0:
+            raise ValueError(
+                f"Invalid PPOW window policy: K={max_window} (need >= 1), h={threshold} (need [0, 1]), "
+                f"T_c={confidence_temperature} (need > 0)."
+            )
+        if do_sample and not temperature > 0:
+            raise ValueError(f"The sampling temperature must be > 0, got {temperature}.")
+        self.max_window = max_window
+        self.threshold = threshold
+        self.confidence_temperature = confidence_temperature
+        self.score_scale = temperature if do_sample else 1.0
+        self.running = None
+        self.num_drafted = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if scores is None:
+            raise ValueError(
+                "The PPOW window rule needs the drafter's scores: call generate with output_scores=True and "
+                "return_dict_in_generate=True (HF's assisted generation does)."
+            )
+        while self.num_drafted < len(scores):
+            logits = scores[self.num_drafted].float()
+            if self.score_scale != 1.0:
+                logits = logits * self.score_scale  # z / T -> z (-inf entries stay -inf)
+            confidence = window_confidence(logits, self.confidence_temperature)
+            self.running = confidence if self.running is None else self.running * confidence
+            self.num_drafted += 1
+        keep = keep_drafting(self.running, self.num_drafted, self.max_window, self.threshold)
+        return ~keep.to(input_ids.device)
+
+
+def ppow_window_policy(model):
+    """``{"max_window": K, "threshold": h, "confidence_temperature": T_c}`` of ``model``.
+
+    From ``model.generation_config.ppow_window_policy``, else from ``ppow_window_policy.json`` next to its weights;
+    ``confidence_temperature`` is 1.0 when the policy has none (saved before it existed).
+    """
+    policy = getattr(getattr(model, "generation_config", None), PPOW_GENERATION_CONFIG_KEY, None)
+    if policy is None:
+        path = os.path.join(str(getattr(model, "name_or_path", "") or ""), PPOW_WINDOW_POLICY_FILE)
+        if os.path.isfile(path):
+            with open(path) as f:
+                policy = json.load(f)
+    if policy is None:
+        raise ValueError(
+            f"This drafter has no PPOW window policy: neither `generation_config.{PPOW_GENERATION_CONFIG_KEY}` nor "
+            f"{PPOW_WINDOW_POLICY_FILE} next to its weights. Save it with ppow_trl.assisted.save_assistant."
+        )
+    return {
+        "max_window": int(policy["max_window"]),
+        "threshold": float(policy["threshold"]),
+        "confidence_temperature": float(policy.get("confidence_temperature", 1.0)),
+    }
+
+
+# Sampling warpers `generate` adds from the generation config, by class name -> the setting that disables it.
+_WARPER_SETTINGS = {
+    "TemperatureLogitsWarper": ("temperature", 1.0),
+    "TopKLogitsWarper": ("top_k", 0),
+    "TopPLogitsWarper": ("top_p", 1.0),
+    "MinPLogitsWarper": ("min_p", 0.0),  # not None: generate() would refill None from the drafter's config
+    "TypicalLogitsWarper": ("typical_p", 1.0),
+    "EpsilonLogitsWarper": ("epsilon_cutoff", 0.0),
+    "EtaLogitsWarper": ("eta_cutoff", 0.0),
+    "TopHLogitsWarper": ("top_h", None),
+}
+
+
+def _assistant_generation_config(generation_config, logits_processor):
+    """The config HF passes, minus what would cut our windows or warp the drafter twice.
+
+    - HF's own per-token ``assistant_confidence_threshold`` rule: our rule replaces it.
+    - Sampling: the ``logits_processor`` HF passes is the target's, warpers included, and ``generate`` adds the
+      warpers of the (same) config again, so the drafter would sample at ``T^2`` (transformers 5.24). Turning the
+      config's copy of each warper already in the list off makes the drafter sample from exactly the processing
+      the target applies (``T`` once), as ppow_trl's own loop and training do. Lossless either way: HF verifies
+      against the scores the drafter really sampled from.
+    """
+    changes = {}
+    if getattr(generation_config, "assistant_confidence_threshold", None):
+        changes["assistant_confidence_threshold"] = 0.0
+    if getattr(generation_config, "do_sample", False):
+        for processor in logits_processor or []:
+            setting = _WARPER_SETTINGS.get(type(processor).__name__)
+            if setting is not None and hasattr(generation_config, setting[0]):
+                changes[setting[0]] = setting[1]
+    if not changes:
+        return generation_config
+    generation_config = copy.copy(generation_config)
+    for name, value in changes.items():
+        setattr(generation_config, name, value)
+    return generation_config
+
+
+def _applied_temperature(generation_config, logits_processor, model):
+    """The temperature the sampling drafter's scores are divided by: that of the temperature warpers in the
+    processor list HF passes, times that of the warper ``generate`` adds from ``generation_config`` (the config
+    returned by ``_assistant_generation_config``; a ``None`` is refilled from the drafter's own config, then 1).
+    In transformers 5.24 this is ``T`` from the list and 1 from the config, i.e. the target's ``temperature``."""
+    temperature = 1.0
+    for processor in logits_processor or []:
+        if type(processor).__name__ == "TemperatureLogitsWarper":
+            temperature *= float(processor.temperature)
+    from_config = getattr(generation_config, "temperature", None)
+    if from_config is None:
+        from_config = getattr(getattr(model, "generation_config", None), "temperature", None)
+    return temperature * (1.0 if from_config is None else float(from_config))
+
+
+def generate(*args, model, **kwargs):
+    """``model.generate``, plus the PPOW window rule when HF's assisted loop calls ``model`` as its assistant."""
+    generation_config = kwargs.get("generation_config")
+    if generation_config is not None and getattr(generation_config, "is_assistant", False):
+        policy = ppow_window_policy(model)
+        logits_processor = kwargs.get("logits_processor")
+        do_sample = bool(getattr(generation_config, "do_sample", False))
+        generation_config = _assistant_generation_config(generation_config, logits_processor)
+        kwargs["generation_config"] = generation_config
+        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+        criteria.append(
+            PPOWWindowCriteria(
+                policy["max_window"],
+                policy["threshold"],
+                confidence_temperature=policy["confidence_temperature"],
+                do_sample=do_sample,
+                temperature=_applied_temperature(generation_config, logits_processor, model) if do_sample else 1.0,
+            )
+        )
+        kwargs["stopping_criteria"] = criteria
+    # The class's generate (GenerationMixin's or the model's override), not this instance's replacement.
+    return type(model).generate(model, *args, **kwargs)

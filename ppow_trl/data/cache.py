@@ -1,0 +1,316 @@
+"""The resumable, sharded cache that every data builder runs through, and the fingerprints that key it.
+
+Read top to bottom:
+
+1. Fingerprints (`model_fingerprint`, `tokenizer_fingerprint`, `dataset_fingerprint`): what a cached result
+   depends on, hashed into the cache folder's name.
+2. Saving: a dataset (or a file) is written under a temporary name private to this process and then published
+   under its final name (`_save_atomically`, `_write_json_atomically`, `_publish`), so an interrupted save never
+   looks finished and several processes building the same cache at once never collide: the first to publish
+   wins, the others discard their copy and use the published one.
+3. `open_cache_folder` and `build_sharded_dataset`: work cut into fixed chunks, each finished chunk saved as
+   `<cache_dir>/<kind>-<fingerprint>/shard-00000`, a restart loading the finished shards and computing only
+   the missing ones.
+4. `main_process_first`: under `accelerate launch` with several processes, let the main process build the
+   cache while the others wait, then load it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from datasets import Dataset, Features, concatenate_datasets, load_from_disk
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_SIZE = 64
+# Bump when the content of a cached shard changes for the same settings, so old caches are not reused.
+CACHE_FORMAT_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fingerprints: what a cached result depends on
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _sha256(obj: Any, length: int = 16) -> str:
+    """Short, stable hash of a JSON-serialisable object."""
+    text = json.dumps(obj, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:length]
+
+
+def model_fingerprint(model: torch.nn.Module) -> dict[str, str]:
+    """Name, config hash and a weight probe of `model`.
+
+    The probe hashes 16 evenly spaced values of every parameter: a model fine-tuned in place (same path,
+    same config) gets another fingerprint, at the cost of a few hundred tiny reads.
+    """
+    config = getattr(model, "config", None)
+    config_dict = config.to_dict() if config is not None else {}
+    config_dict.pop("transformers_version", None)  # the same model under another library version
+    hasher = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        hasher.update(f"{name}{tuple(parameter.shape)}{parameter.dtype}".encode())
+        if parameter.device.type != "meta":  # offloaded weights have no values to read
+            flat = parameter.detach().reshape(-1)
+            probe = flat[:: max(1, flat.numel() // 16)][:16]
+            hasher.update(repr(probe.to("cpu", torch.float64).tolist()).encode())
+    return {
+        "name_or_path": str(getattr(config, "name_or_path", "") or type(model).__name__),
+        "config": _sha256(config_dict),
+        "weights": hasher.hexdigest()[:16],
+    }
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the vocabulary, special tokens and chat template: everything that changes prompt ids."""
+    return _sha256(
+        {
+            "vocab": sorted(tokenizer.get_vocab().items()),
+            "special": {name: str(value) for name, value in tokenizer.special_tokens_map.items()},
+            "chat_template": tokenizer.chat_template,
+            "class": type(tokenizer).__name__,
+        }
+    )
+
+
+def dataset_fingerprint(dataset: Dataset) -> str:
+    """Content hash of every row and column of `dataset` (not datasets' own `_fingerprint`, which is random
+    for in-memory datasets)."""
+    hasher = hashlib.sha256(repr(dataset.features).encode())
+    for batch in dataset.iter(batch_size=1000):
+        hasher.update(json.dumps(batch, sort_keys=True, default=str).encode("utf-8"))
+    return hasher.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Saving and publishing (safe against interruption and against other processes)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _datasets_progress_bars_disabled() -> Iterator[None]:
+    """Silence datasets' own bars while saving/loading shards: ours already reports progress."""
+    enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if enabled:
+            datasets.enable_progress_bars()
+
+
+def _temporary_name(path: Path) -> Path:
+    """A name next to `path` that no other process uses: `<name>.tmp-<pid>-<random hex>`.
+
+    Same parent folder, so publishing is a rename within one file system. A process killed mid-save leaves
+    its temporary behind; it is never read (only final names are) and may be deleted by hand.
+    """
+    return path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _discard(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _publish(tmp: Path, destination: Path) -> bool:
+    """Rename the finished `tmp` to `destination`, unless another process published `destination` first.
+
+    Returns True if ours was published, False if `destination` already existed: then `tmp` is discarded and
+    the caller uses the published copy (every writer computes the same content from the same settings).
+    A folder is renamed with `os.rename`, which never replaces a non-empty folder, so two processes
+    publishing at the same moment cannot both win. A file can only lose the race between the check and
+    the rename, and then replaces an equal file atomically.
+    """
+    if destination.exists():
+        _discard(tmp)
+        return False
+    try:
+        os.rename(tmp, destination)
+    except OSError:
+        if not destination.exists():
+            raise
+        _discard(tmp)  # another process published it between our check and our rename
+        return False
+    return True
+
+
+def _save_atomically(dataset: Dataset, folder: Path) -> bool:
+    """`save_to_disk` into a private temporary folder, then publish it as `folder` (see `_publish`).
+
+    An interrupted save never looks finished. Returns False if another process published `folder` first
+    (ours is discarded: load `folder` to use theirs).
+    """
+    tmp = _temporary_name(folder)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _datasets_progress_bars_disabled():
+            dataset.save_to_disk(str(tmp))
+    except BaseException:
+        _discard(tmp)
+        raise
+    return _publish(tmp, folder)
+
+
+def _load_quietly(folder: Path) -> Dataset:
+    with _datasets_progress_bars_disabled():
+        return load_from_disk(str(folder))
+
+
+def _write_json_atomically(data: Any, path: Path) -> bool:
+    """Write `data` as JSON to a private temporary file, then publish it as `path` (see `_publish`)."""
+    tmp = _temporary_name(path)
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str), encoding="utf-8")
+    return _publish(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The resumable sharded cache (one implementation for every builder)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _dataset_from_rows(rows: list[dict[str, Any]], features: Features) -> Dataset:
+    """A Dataset with exactly `features`, built column by column (extra keys in `rows` are ignored)."""
+    return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features)
+
+
+def open_cache_folder(cache_dir: str | Path, kind: str, settings: dict[str, Any]) -> Path:
+    """The cache folder `<cache_dir>/<kind>-<fingerprint of settings>`, created with its manifest if new.
+
+    Other settings give another folder, so a cache is never reused for other inputs. If the folder exists
+    but its `manifest.json` disagrees (a hash collision or a hand-edited cache) we raise rather than guess.
+    """
+    manifest = {"kind": kind, "format": CACHE_FORMAT_VERSION, "settings": settings}
+    folder = Path(cache_dir) / f"{kind}-{_sha256(manifest)}"
+    manifest_path = folder / "manifest.json"
+    if manifest_path.is_file():
+        found = json.loads(manifest_path.read_text(encoding="utf-8"))
+        if found != json.loads(json.dumps(manifest, sort_keys=True, default=str)):
+            raise ValueError(
+                f"The cache {folder} was built with other settings (see its manifest.json); delete it or use "
+                "another cache_dir."
+            )
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_json_atomically(manifest, manifest_path)
+    return folder
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Run a block under a fixed torch seed without disturbing the caller's random state."""
+    if seed is None:
+        yield
+        return
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _chunk_seed(seed: int, chunk_index: int) -> int:
+    """A seed per chunk, so a resumed run draws what an uninterrupted one would have drawn.
+
+    Hashing (rather than `seed + chunk_index`) keeps runs with nearby seeds from sharing chunks' streams.
+    """
+    return int(hashlib.sha256(f"{seed}/{chunk_index}".encode()).hexdigest()[:15], 16)
+
+
+def _batches(rows: list[dict[str, Any]], batch_size: int) -> Iterator[list[dict[str, Any]]]:
+    for start in range(0, len(rows), batch_size):
+        yield rows[start : start + batch_size]
+
+
+def build_sharded_dataset(
+    inputs: Dataset,
+    process_batch: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
+    *,
+    features: Features,
+    kind: str,
+    settings: dict[str, Any],
+    cache_dir: str | Path | None = None,
+    batch_size: int = 8,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    seed: int | None = None,
+    desc: str | None = None,
+) -> Dataset:
+    """Map `process_batch` over `inputs` chunk by chunk, saving each finished chunk; resume on restart.
+
+    Rows are cut into chunks of `chunk_size` and each chunk into batches of `batch_size`; `process_batch`
+    gets a list of row dicts and returns the output rows (it may drop rows). Each chunk runs under the
+    torch seed `_chunk_seed(seed, chunk_index)` (if `seed` is given), so results do not depend on which
+    chunks were already cached, nor on whether a cache is used at all.
+
+    Cache layout (when `cache_dir` is given)::
+
+        <cache_dir>/<kind>-<fingerprint>/manifest.json   # kind, format version and `settings`
+        <cache_dir>/<kind>-<fingerprint>/shard-00000/    # datasets.save_to_disk of chunk 0
+        <cache_dir>/<kind>-<fingerprint>/shard-00001/    # ...
+
+    The fingerprint hashes the manifest, so `settings` must name everything the output depends on
+    (model, tokenizer, input data, options, batch and chunk sizes). Shards are written under a temporary
+    name private to this process and renamed when complete, so a shard that exists is finished and is
+    loaded, never recomputed. Several processes may build the same cache at once (e.g. every rank of a
+    launch): the first to finish a shard publishes it, the others discard theirs and load it, so all end
+    with the same data (`main_process_first` avoids the duplicated work). The result is the
+    concatenation of the shards (memory-mapped from disk when cached).
+    """
+    if chunk_size < 1 or batch_size < 1:
+        raise ValueError(f"chunk_size and batch_size must be >= 1, got {chunk_size} and {batch_size}.")
+    folder = open_cache_folder(cache_dir, kind, settings) if cache_dir is not None else None
+    if folder is not None:
+        logger.info("Caching %s in %s", kind, folder)
+    shards = []
+    with tqdm(total=len(inputs), desc=desc or kind, unit="example") as progress:
+        for chunk_index in range(math.ceil(len(inputs) / chunk_size)):
+            start, stop = chunk_index * chunk_size, min((chunk_index + 1) * chunk_size, len(inputs))
+            shard_path = folder / f"shard-{chunk_index:05d}" if folder is not None else None
+            if shard_path is not None and shard_path.exists():
+                shards.append(_load_quietly(shard_path))
+                progress.update(stop - start)
+                continue
+            outputs = []
+            with _seeded(None if seed is None else _chunk_seed(seed, chunk_index)):
+                for batch in _batches(inputs.select(range(start, stop)).to_list(), batch_size):
+                    outputs.extend(process_batch(batch))
+                    progress.update(len(batch))
+            shard = _dataset_from_rows(outputs, features)
+            if shard_path is not None and not _save_atomically(shard, shard_path):
+                shard = _load_quietly(shard_path)  # another process published this shard first: use theirs
+            shards.append(shard)
+    return concatenate_datasets(shards) if shards else _dataset_from_rows([], features)
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Run a block on the main process first, then on the others: a no-op in a single process.
+
+    Wrap data building in it under `accelerate launch`: the main process builds the cache while the other
+    ranks wait at a barrier, then they run the same block and load the finished shards instead of computing
+    them. (Without it every rank builds; `build_sharded_dataset` is still correct, just wasteful.) Uses
+    `accelerate.PartialState().main_process_first()` when the state reports more than one process.
+    """
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.num_processes > 1:
+        with state.main_process_first():
+            yield
+    else:
+        yield

@@ -1,0 +1,208 @@
+"""Target-regenerated responses: the data a drafter learns from (`build_target_responses`).
+
+EAGLE, SpecForge and speculators regenerate the responses with the target itself: a drafter must learn what
+*the target* writes, not what some other model wrote (see design/PPOW.md "Setting"). This module holds that
+builder and the pieces it and the other data builders share: `encode_prompt` (chat template -> ids),
+`pad_sequences`, `stop_token_ids` / `truncate_at_stop`, and the target's eval mode while it labels data.
+The results go through the resumable cache of `ppow_trl.data.cache`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset, Features, Value
+
+from .cache import (
+    DEFAULT_CHUNK_SIZE,
+    build_sharded_dataset,
+    dataset_fingerprint,
+    model_fingerprint,
+    tokenizer_fingerprint,
+)
+
+logger = logging.getLogger(__name__)
+
+TOKEN_IDS_FEATURE = [Value("int32")]  # int32 halves the disk use of int64; vocabularies are far smaller
+
+
+def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat prompt with the generation prompt appended (where the assistant answer starts).
+
+    The template already holds any special tokens the model expects, so the tokenizer must not add more.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def pad_sequences(
+    sequences: Sequence[Sequence[int]], pad_id: int, side: str = "right", device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token id lists into `(input_ids, attention_mask)` tensors, on the left or the right.
+
+    Both sides are needed here: `generate` wants prompts padded on the left (each ends where generation
+    starts), while the teacher-forced top-k pass (`ppow_trl.data.topk`) pads on the right so that every real
+    token keeps its natural position without position ids and one `logits_to_keep` range fits every row.
+    That is why this does not reuse `ppow_trl.rollout.left_pad`, which pads on the left only (its contexts get
+    explicit position ids) and rejects empty rows; the two agree on the left (pad id, int64 ids and mask).
+    We pad by hand instead of through the tokenizer so that no caller's tokenizer is ever mutated.
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}.")
+    length = max((len(sequence) for sequence in sequences), default=0)
+    input_ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        span = slice(length - len(sequence), length) if side == "left" else slice(0, len(sequence))
+        input_ids[row, span] = torch.tensor(list(sequence), dtype=torch.long)
+        attention_mask[row, span] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def stop_token_ids(target, tokenizer) -> list[int]:
+    """Every token that ends a response: the tokenizer's eos and the target's generation eos token(s).
+
+    Chat models often end a turn with a token (e.g. `<|im_end|>`) other than the pretraining eos.
+    """
+    candidates = [tokenizer.eos_token_id]
+    generation_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    candidates += generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    return list(dict.fromkeys(token for token in candidates if token is not None))
+
+
+def truncate_at_stop(token_ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
+    """`token_ids` up to and including the first stop token (drops what generate padded after it)."""
+    for position, token in enumerate(token_ids):
+        if token in stop_ids:
+            return list(token_ids[: position + 1])
+    return list(token_ids)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Dropout off while the target labels data, then restore the caller's mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _generation_kwargs(
+    max_new_tokens: int, do_sample: bool, temperature: float, stop_ids: list[int], pad_id: int
+) -> dict[str, Any]:
+    """`generate` options that sample from the target's own distribution.
+
+    We override the model's generation_config defaults (top-k 50, a checkpoint's top-p or repetition
+    penalty): the verifier accepts against the raw distribution at `temperature`, so the data must
+    come from that distribution too.
+    """
+    kwargs = {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": do_sample,
+        "eos_token_id": stop_ids,
+        "pad_token_id": pad_id,
+        "repetition_penalty": 1.0,
+    }
+    if do_sample:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    return kwargs
+
+
+def build_target_responses(
+    target,
+    tokenizer,
+    prompts: Dataset,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    seed: int = 0,
+    max_prompt_length: int | None = 512,
+    cache_dir: str | Path | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Dataset:
+    """Regenerate the responses to `prompts` with the target, the data a drafter should learn from.
+
+    Each prompt's chat template (with generation prompt) is tokenized; batches are left-padded (so every
+    prompt ends where generation starts) and decoded with `target.generate`: greedy, or sampled from the
+    target's full distribution at `temperature` (no top-k/top-p). A response stops at and includes the
+    first stop token (`stop_token_ids`), or after `max_new_tokens`; it holds no padding.
+
+    Prompts longer than `max_prompt_length` tokens are **dropped** (with a warning), not truncated: a cut
+    chat loses either its instruction or its generation prompt. The held-out/train separation is the
+    loaders' (e.g. `load_sharegpt("train")` vs `"test"`): this function only labels what it is given.
+
+    Determinism: each chunk of `chunk_size` prompts is generated under its own seed derived from `seed`,
+    so a resumed run equals an uninterrupted one. Sampled outputs depend on `seed`, `batch_size` and
+    `chunk_size` (the random stream is shared within a batch); all three are part of the cache key.
+
+    Args:
+        target: the target causal LM (any `generate`-capable model; left in the mode it came in).
+        tokenizer: its tokenizer (not modified).
+        prompts: a prompt dataset (`messages` column; all columns are carried to the output).
+        cache_dir: root of the resumable cache (see `build_sharded_dataset`); None keeps everything in memory.
+
+    Returns:
+        The prompt rows plus `prompt_ids` and `response_ids` (lists of int32 token ids).
+    """
+    if "messages" not in prompts.column_names:
+        raise ValueError(f"prompts needs a 'messages' column (see load_prompts), got {prompts.column_names}.")
+    stop_ids = stop_token_ids(target, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    generation_kwargs = _generation_kwargs(max_new_tokens, do_sample, temperature, stop_ids, pad_id)
+
+    def process_batch(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for row in rows:
+            row["prompt_ids"] = encode_prompt(tokenizer, row["messages"])
+        rows = [row for row in rows if max_prompt_length is None or len(row["prompt_ids"]) <= max_prompt_length]
+        if not rows:
+            return []
+        input_ids, attention_mask = pad_sequences([row["prompt_ids"] for row in rows], pad_id, "left", target.device)
+        with _eval_mode(target):
+            output = target.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
+        for row, new_tokens in zip(rows, output[:, input_ids.shape[1] :].tolist()):
+            row["response_ids"] = truncate_at_stop(new_tokens, stop_ids)
+        return rows
+
+    settings = {
+        "model": model_fingerprint(target),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "inputs": dataset_fingerprint(prompts),
+        "generation": generation_kwargs,
+        # Seed and temperature do not change greedy outputs: leave them out so greedy caches are shared.
+        "seed": seed if do_sample else None,
+        "max_prompt_length": max_prompt_length,
+        "batch_size": batch_size,
+        "chunk_size": chunk_size,
+    }
+    features = Features({**prompts.features, "prompt_ids": TOKEN_IDS_FEATURE, "response_ids": TOKEN_IDS_FEATURE})
+    responses = build_sharded_dataset(
+        prompts,
+        process_batch,
+        features=features,
+        kind="responses",
+        settings=settings,
+        cache_dir=cache_dir,
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        seed=seed if do_sample else None,
+        desc="Generating target responses",
+    )
+    if len(responses) < len(prompts):
+        logger.warning(
+            "Dropped %d of %d prompts longer than max_prompt_length=%s tokens.",
+            len(prompts) - len(responses),
+            len(prompts),
+            max_prompt_length,
+        )
+    return responses
+

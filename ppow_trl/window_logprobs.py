@@ -1,0 +1,141 @@
+"""Log-probabilities of drafted windows for the loss, with each context computed once per group.
+
+GRPO's loss needs ``log q_theta(y_i | c, y_<i)`` for every token of every window. TRL's generic path runs
+the drafter over ``context + window`` for each of the G windows of a context, so the context (hundreds
+of tokens) is recomputed G times for windows of at most K tokens. Here the distinct contexts of a
+micro-batch run once (with gradients), their KV cache is repeated for the windows that share them, and
+one more forward runs the windows on top of it. The log-probs and their gradients are those of the
+generic path (the repeated cache is part of the autograd graph, so the context's parameters receive the
+sum over the G windows exactly as before); only the repeated work is gone.
+
+The head is applied to the shared vocabulary only: ``q`` is normalised over the rows the rollout
+sampled from (``logits[..., :V]`` for a drafter whose head has padding rows beyond the tokenizer, the
+draft rows for a reduced-vocabulary drafter), so the training log-probs equal the sampled ones. The
+projection uses TRL's chunked log-prob kernel, which never materialises the ``(rows, K, V)`` logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from trl.kernels import ChunkedLogProbFunction
+from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+from .rollout import positions_from_mask
+
+# Config attributes that change the logits in ways this path does not reproduce (TRL's path handles them).
+_UNSUPPORTED_LOGIT_SCALES = ("output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def head_rows_and_labels(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head rows the rollout samples from, and a lookup table target id -> position among them.
+
+    Returns ``rows`` (R,) head-row indices and ``lookup`` (W,) with ``lookup[id]`` the position of token
+    ``id`` in ``rows`` or -100 when the drafter cannot propose it. Plain drafter: ``rows = 0..V-1`` (padding
+    rows of a head wider than the tokenizer are excluded). Reduced-vocabulary drafter
+    (``draft_vocab_ids``): the draft rows whose id is below ``V``.
+    """
+    head = model.get_output_embeddings()
+    device = head.weight.device
+    draft_ids = getattr(model, "draft_vocab_ids", None)
+    if draft_ids is None:
+        if vocab_size > head.weight.shape[0]:
+            raise ValueError(f"vocab_size {vocab_size} exceeds the drafter head's {head.weight.shape[0]} rows.")
+        rows = torch.arange(vocab_size, device=device)
+        token_ids = rows
+    else:
+        rows = (draft_ids < vocab_size).nonzero().squeeze(-1).to(device)
+        token_ids = draft_ids[rows].to(device)
+    lookup = torch.full((max(vocab_size, int(token_ids.max()) + 1),), -100, dtype=torch.long, device=device)
+    lookup[token_ids] = torch.arange(len(rows), device=device)
+    return rows, lookup
+
+
+def logit_transform(model) -> tuple[float | None, float]:
+    """``(final_logit_softcapping, logit_scale)`` of the model's text config (None / 1.0 when absent)."""
+    config = model.config.get_text_config()
+    for name in _UNSUPPORTED_LOGIT_SCALES:
+        if getattr(config, name, None) not in (None, 1.0):
+            raise NotImplementedError(
+                f"The drafter's config sets {name}; the shared-context loss path does not apply it. Set "
+                "PPOWConfig(shared_context_logprobs=False) to use TRL's generic path."
+            )
+    scale = getattr(config, "logit_scale", None)
+    return getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else scale
+
+
+def group_contexts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct contexts of a batch: ``(first_row, inverse)`` with ``prompt_ids[first_row[inverse]] == prompt_ids``.
+
+    Rows are equal when their (left-padded) ids and masks are; ``first_row`` keeps the first row of each,
+    in order of first appearance.
+    """
+    keys = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=-1)
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    # the first row of each distinct key, ordered by first appearance (deterministic, independent of sorting)
+    first = torch.full((int(inverse.max()) + 1,), keys.shape[0], dtype=torch.long, device=keys.device)
+    first.scatter_reduce_(0, inverse, torch.arange(keys.shape[0], device=keys.device), reduce="amin")
+    order = torch.argsort(first)
+    relabel = torch.empty_like(order)
+    relabel[order] = torch.arange(len(order), device=order.device)
+    return first[order], relabel[inverse]
+
+
+def shared_context_window_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_window_tokens: int,
+    *,
+    vocab_size: int,
+    temperature: float,
+    compute_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(z / T)[y_i]`` (and the entropy) at the last ``num_window_tokens`` positions. ``(B, C)``.
+
+    ``input_ids``/``attention_mask`` are TRL's ``[left-padded context | right-padded window]`` rows, ``C =
+    num_window_tokens``. ``model`` is the causal LM itself (its forward is where this runs, so DDP and PEFT
+    wrappers stay in the call chain). Padding positions of the window get 0.
+    """
+    width = input_ids.shape[1] - num_window_tokens
+    prompt_ids, prompt_mask = input_ids[:, :width], attention_mask[:, :width]
+    window_ids, window_mask = input_ids[:, width:], attention_mask[:, width:]
+    first_row, inverse = group_contexts(prompt_ids, prompt_mask)
+
+    backbone = model.base_model
+    # Contexts once, with gradients; positions ignore the left padding, as in the rollout that sampled them.
+    context_mask = prompt_mask[first_row]
+    cache = DynamicCache(config=model.config.get_text_config())
+    context_out = backbone(input_ids=prompt_ids[first_row], attention_mask=context_mask,
+                           position_ids=positions_from_mask(context_mask), cache=cache, use_cache=True)
+    hidden = [context_out.last_hidden_state[:, -1:][inverse]]  # predicts y_1
+    if num_window_tokens > 1:
+        cache.batch_select_indices(inverse)  # differentiable indexing: each row reads its context's keys/values
+        rows_mask = prompt_mask
+        steps = window_ids[:, :-1]
+        full_mask = torch.cat([rows_mask, window_mask[:, :-1]], dim=-1)
+        positions = rows_mask.sum(-1, keepdim=True) + torch.arange(num_window_tokens - 1, device=steps.device)
+        window_out = backbone(input_ids=steps, attention_mask=full_mask, position_ids=positions, cache=cache,
+                              use_cache=True)
+        hidden.append(window_out.last_hidden_state)  # predicts y_2..y_C
+    hidden = torch.cat(hidden, dim=1)
+
+    rows, lookup = head_rows_and_labels(model, vocab_size)
+    labels = lookup[window_ids.clamp(0, len(lookup) - 1)]
+    valid = window_mask.bool()
+    if (labels[valid] < 0).any():
+        raise ValueError("A window token lies outside the drafter's vocabulary: it cannot have been sampled from it.")
+    head = model.get_output_embeddings()
+    weight = head.weight if len(rows) == head.weight.shape[0] else head.weight[rows]
+    bias = None if head.bias is None else (head.bias if len(rows) == head.bias.shape[0] else head.bias[rows])
+    softcap, scale = logit_transform(model)
+    hidden = hidden.to(weight.device)
+    outputs = ("log_probs", "entropy") if compute_entropy else ("log_probs",)
+    log_probs, entropy, *_ = ChunkedLogProbFunction.apply(
+        hidden[valid], weight, bias, labels[valid], temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, softcap, scale, outputs
+    )
+    # masked_scatter keeps an all-padding batch connected to the graph (a differentiable zero)
+    log_probs = log_probs.new_zeros(valid.shape).masked_scatter(valid, log_probs)
+    if entropy is not None:
+        entropy = entropy.new_zeros(valid.shape).masked_scatter(valid, entropy)
+    return log_probs, entropy
