@@ -22,6 +22,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from ppow_trl import KDConfig, KDTrainer
+from ppow_trl.calibration import calibrate_policy, held_out_contexts
 from ppow_trl.cost import calibrate_cost_model, overall_speedup
 from ppow_trl.data import build_target_responses, compute_target_topk, load_mtbench, recover_json_records, sharegpt_json_path
 from ppow_trl.demo import one_per_category_first
@@ -114,6 +115,12 @@ def main():
     trainer.train()
     kd_seconds = time.perf_counter() - start
     after = held_out_metrics(trainer.model.eval(), target, tokenizer, held, policy, vocab, cost)
+    # the window rule for greedy serving, from the library's one calibration on the held-out contexts
+    calibrated, _ = calibrate_policy(target, trainer.model, held_out_contexts(held["prompt_ids"], held["response_ids"], 6),
+                                     cost, max_window=args.max_window, regime="greedy", vocab_size=vocab,
+                                     pad_id=tokenizer.pad_token_id)
+    after["calibrated_policy"] = {"max_window": calibrated.max_window, "threshold": calibrated.threshold,
+                                  **calibrated.calibration}
     print("after", after, flush=True)
     result = {
         "command": f"python benchmarks/kd_warm_start.py --records {args.records} --max-response-tokens "

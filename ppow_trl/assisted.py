@@ -94,7 +94,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from .cost import COST_MODEL_FILE, CostModel
+from .cost import CostModel
 from .custom_generate import generate as _custom_generate_module
 from .custom_generate.generate import generate as _hook_generate
 from .utils import _looks_like_repo_id

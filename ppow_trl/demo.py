@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .calibration import calibrate_policy
 from .contexts import score_sequence
 from .cost import calibrate_cost_model, overall_speedup, speedup
 from .data import build_target_responses, load_mtbench, recover_json_records, sharegpt_json_path
@@ -27,13 +28,7 @@ from .rewards import proximity_reward, window_reward
 from .rollout import draft_windows, target_window_probs
 from .utils import cache_root, set_cpu_threads
 from .verification import window_prefix_acceptance
-from .windowing import (
-    AdaptiveWindowPolicy,
-    calibrate_window_policy,
-    policy_speedup,
-    sample_window_starts,
-    window_start_probabilities,
-)
+from .windowing import AdaptiveWindowPolicy, sample_window_starts, window_start_probabilities
 
 
 def parse_args(argv=None):
@@ -142,13 +137,16 @@ def main(argv=None):
         r_speed = speedup(accepted, lengths, cost)
         r_prox = proximity_reward(p, drafted.drafter_probs, mask, kind="tv")
         reward = window_reward(r_speed, r_prox, args.proximity_weight)
-        best, grid = calibrate_window_policy(drafted.confidences, prefix, cost)
-        fixed = policy_speedup(policy, drafted.confidences, prefix, cost).item()
+        # (K, h) for this regime, on the same contexts (the library's one calibration; it drafts its own windows)
+        regime = "greedy" if temperature == 0 else "sampling"
+        best, _ = calibrate_policy(target, drafter, contexts, cost, max_window=args.max_window, regime=regime,
+                                   vocab_size=vocab_size, pad_id=pad_id, seed=args.seed)
+        fixed = best.calibration["fixed_window_speedup"][regime]
         report[mode] = {
             "mean_accepted": accepted.mean().item(), "simulated_tau": accepted.mean().item() + 1,
             "R_speed": r_speed.mean().item(), "R_prox": r_prox.mean().item(), "R": reward.mean().item(),
             "fixed_K_speedup": fixed, "best_policy": best.__dict__,
-            "best_policy_speedup": max(row["speedup"] for row in grid),
+            "best_policy_speedup": best.calibration["predicted_speedup"],
             "overall_speedup_fixed_K": overall_speedup(accepted, lengths, cost).item(),
         }
         log(f"{mode:13s}: E[A]={accepted.mean():.3f} (simulated tau {accepted.mean() + 1:.2f}, EAGLE convention: "

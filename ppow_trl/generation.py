@@ -38,7 +38,13 @@ from transformers import DynamicCache
 
 from .utils import crop_cache
 from .models import output_vocab_rows
-from .verification import acceptance_histogram, greedy_verify, probabilities_from_logits, speculative_sampling_verify
+from .verification import (
+    acceptance_histogram,
+    greedy_verify,
+    probabilities_from_logits,
+    sample_categorical,
+    speculative_sampling_verify,
+)
 from .windowing import AdaptiveWindowPolicy
 
 TAU_CONVENTION = (
@@ -268,7 +274,7 @@ def speculative_generate(
                 step_logits = logits[-1, :vocab]
                 q = probabilities_from_logits(step_logits, temperature)
                 if do_sample:
-                    token = int(torch.multinomial(q, 1, generator=generator))
+                    token = int(sample_categorical(q, generator))
                 else:
                     token = int(step_logits.argmax())
                 window.append(token)

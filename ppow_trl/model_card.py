@@ -33,8 +33,8 @@ for a reduced-vocabulary drafter `modeling_ppow_drafter.py`, a copy of `ppow_trl
 Auto-class registration (it defines the config and model classes: the target architecture's body plus a head
 over the draft vocabulary). Read both files at the revision you pin."""
 
-STANDALONE_USAGE = """With ppow_trl installed (`pip install ppow_trl`), no remote code is run: `load_assistant` loads the
-weights and installs ppow_trl's own copy of the window hook.
+STANDALONE_USAGE = """With ppow_trl installed (`pip install ppow_trl`), no remote code is run: `load_assistant` loads
+the weights and installs ppow_trl's own copy of the window hook.
 
 ```python
 from ppow_trl.assisted import load_assistant
@@ -147,7 +147,8 @@ as verifier; arXiv 2605.14978) using ppow_trl on top of TRL's GRPOTrainer.
 - Drafter: {drafter}
 - Training data: {data}
 - Window rule (calibrated on held-out contexts after training): draft while the running product of drafter confidences stays >= h = {policy.threshold}, up to
-  K = {policy.max_window} tokens; confidence = max softmax(logits / T_c), T_c = {policy.confidence_temperature} (saved in `ppow_window_policy.json`).
+  K = {policy.max_window} tokens; confidence = max softmax(logits / T_c), T_c = {policy.confidence_temperature}
+  (saved in `ppow_window_policy.json`).
 - Cost model: {cost}
 
 ## Use

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 from pathlib import Path
@@ -26,12 +25,12 @@ from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import split_tensor_dict
 
 from .calibration import calibrate_policy, held_out_contexts
-from .contexts import ContextPool, ContextSelector, score_sequence
+from .contexts import ContextPool, ContextSelector, score_sequences
 from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model, overall_speedup, speedup
 from .credit import per_position_advantages, per_position_credit
 from .drafter import PPOWDrafterForCausalLM
 from .model_card import render_model_card, write_model_card
-from .models import check_compatibility, load_target
+from .models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
 from .generation import exact_greedy_tau, greedy_continuation
 from .rewards import divergence, proximity_terms
@@ -144,12 +143,13 @@ class PPOWTrainer(GRPOTrainer):
             )
         deepspeed_plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if self.is_fsdp_enabled or (deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3):
-            # Scoring and calibration run on the main process inside unwrap_model_for_generation, which gathers
-            # sharded parameters collectively: the other ranks would deadlock.
+            # Calibration and evaluation run on the main process inside unwrap_model_for_generation, which gathers
+            # sharded parameters collectively: the other ranks would deadlock. (Selection scoring runs on every
+            # rank, but would need the gathered parameters each time.)
             raise NotImplementedError("PPOWTrainer supports DDP and DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3.")
 
         self.window_policy = AdaptiveWindowPolicy(args.max_window, args.window_threshold, args.confidence_temperature)
-        # Measured lazily (first rollout or save), after accelerator.prepare has placed the drafter: under
+        # Measured lazily (before the first rollout), after accelerator.prepare has placed the drafter: under
         # DeepSpeed the drafter is still on the CPU here.
         self._cost_model = cost_model
         self._greedy_continuations: dict[tuple, list[int]] = {}  # eval prompts -> the target's greedy text
@@ -221,6 +221,7 @@ class PPOWTrainer(GRPOTrainer):
         ratios = torch.zeros(self.args.max_window + 2, device=self.accelerator.device)
         if self.accelerator.is_main_process:
             with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter:
+                check_same_device(self.target, drafter)
                 measured = calibrate_cost_model(self.target, drafter, self.args.max_window)
             ratios = torch.tensor([measured.drafter_cost, *measured.verify_cost], device=self.accelerator.device)
         ratios = broadcast(ratios, from_process=0).tolist()
@@ -255,8 +256,6 @@ class PPOWTrainer(GRPOTrainer):
         sequences = [(first + i) % num_sequences for i in range(count)]
         # Each process scores its share in batches with its own (DDP: full) drafter copy; the scores are then
         # gathered, so every process ends with the same selector state and draws the same global batch.
-        from .contexts import score_sequences
-
         acc = self.accelerator
         shares = [sequences[rank :: acc.num_processes] for rank in range(acc.num_processes)]
         mine = shares[acc.process_index]

@@ -10,24 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
-from .verification import lengths_to_mask, probabilities_from_logits
+from .padding import pad_sequences
+from .verification import lengths_to_mask, probabilities_from_logits, sample_categorical
 from .windowing import AdaptiveWindowPolicy
 
 
 def left_pad(sequences: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack 1-D token tensors, padding on the left. Returns ``(ids, attention_mask)``, both ``(B, T)``."""
+    """Contexts padded on the left (``ppow_trl.padding``). Returns ``(ids, attention_mask)``, both ``(B, T)``.
+
+    Every context needs at least one token (the window continues it).
+    """
     if not sequences:
         raise ValueError("No contexts given.")
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
         if len(seq) == 0:
             raise ValueError(f"Context {row} is empty: a window needs at least one token of context.")
-        ids[row, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
-        mask[row, width - len(seq) :] = 1
-    return ids, mask
+    return pad_sequences(sequences, pad_id, side="left")
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -51,19 +51,67 @@ class DraftedWindows:
     confidences: torch.Tensor
 
 
-def _prefill(model, contexts, pad_id, num_samples_per_context):
-    """One forward over the left-padded contexts; its KV cache is then shared by ``G`` samples of each.
+def length_buckets(lengths: list[int], max_padding: float = 0.2) -> list[list[int]]:
+    """Group context indices (longest first) so each group's left padding stays under ``max_padding`` of its
+    tokens: ``(n * longest - sum) / (n * longest) <= max_padding``. One group when padding is already low."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for index in order:
+        if buckets:
+            bucket = buckets[-1] + [index]
+            longest = lengths[bucket[0]]
+            if 1 - sum(lengths[i] for i in bucket) / (len(bucket) * longest) <= max_padding:
+                buckets[-1] = bucket
+                continue
+        buckets.append([index])
+    return buckets
 
-    Returns the last-position logits, the cache, the attention mask and the last position ids, all
-    repeated ``G`` times along the batch (rows ``g*G .. g*G + G-1`` belong to context ``g``).
-    """
-    device = next(model.parameters()).device
+
+def _forward_contexts(model, contexts, pad_id, device):
     ids, mask = left_pad(contexts, pad_id)
     ids, mask = ids.to(device), mask.to(device)
-    positions = positions_from_mask(mask)
     # logits_to_keep=1: the prefill would otherwise build (B, T, V) logits for every context position
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-    cache, logits = out.cache, out.logits[:, -1]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1], out.cache, mask
+
+
+def _merge_left_padded(caches, masks, order: torch.Tensor):
+    """One left-padded batch cache from bucket caches (plain full-attention layers only), rows in ``order``."""
+    width = max(mask.shape[1] for mask in masks)
+    merged = caches[0]
+    for layer_index, layer in enumerate(merged.layers):
+        for name in ("keys", "values"):
+            parts = [torch.nn.functional.pad(getattr(c.layers[layer_index], name), (0, 0, width - m.shape[1], 0))
+                     for c, m in zip(caches, masks)]
+            setattr(layer, name, torch.cat(parts)[order.to(parts[0].device)])
+    mask = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in masks])[order.to(masks[0].device)]
+    return merged, mask
+
+
+def _prefill(model, contexts, pad_id, num_samples_per_context):
+    """Forward the left-padded contexts; the KV cache is then shared by ``G`` samples of each.
+
+    Contexts of very different lengths are run in length buckets (``length_buckets``) so that little compute
+    goes to padding, and their caches are merged into one left-padded batch cache (models whose cache layers
+    are all plain full-attention ``DynamicLayer``; others run as one padded batch). Returns the last-position
+    logits, the cache, the attention mask and the last position ids, all repeated ``G`` times along the batch
+    (rows ``g*G .. g*G + G-1`` belong to context ``g``).
+    """
+    device = next(model.parameters()).device
+    buckets = length_buckets([len(c) for c in contexts])
+    results = None
+    if len(buckets) > 1:
+        results = [_forward_contexts(model, [contexts[i] for i in bucket], pad_id, device) for bucket in buckets]
+    if results is not None and all(type(layer) is DynamicLayer for _, cache, _ in results for layer in cache.layers):
+        flat = torch.tensor([i for bucket in buckets for i in bucket])
+        inverse = torch.empty_like(flat)
+        inverse[flat] = torch.arange(len(flat))
+        cache, mask = _merge_left_padded([r[1] for r in results], [r[2] for r in results], inverse)
+        logits = torch.cat([r[0] for r in results])[inverse.to(device)]
+    else:  # padding already low, or sliding-window/bounded cache layers: one padded batch in the given order
+        logits, cache, mask = _forward_contexts(model, contexts, pad_id, device)
+    positions = positions_from_mask(mask)
     if num_samples_per_context > 1:
         cache.batch_repeat_interleave(num_samples_per_context)
         logits, mask, positions = (t.repeat_interleave(num_samples_per_context, dim=0) for t in (logits, mask, positions))
@@ -97,7 +145,7 @@ def draft_windows(
     for step in range(policy.max_window):
         logits = logits[..., :vocab_size] if vocab_size else logits
         q = probabilities_from_logits(logits, temperature)
-        token = torch.multinomial(q, 1, generator=generator).squeeze(-1) if temperature > 0 else q.argmax(-1)
+        token = sample_categorical(q, generator) if temperature > 0 else q.argmax(-1)
         tokens.append(token)
         probs.append(q)
         confidences.append(policy.confidence(logits))

@@ -35,6 +35,17 @@ def probabilities_from_logits(logits: torch.Tensor, temperature: float = 1.0) ->
     return torch.softmax(logits / temperature, dim=-1)
 
 
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw from each row of ``probs`` (last dim = vocabulary) by inverse CDF: ``min{i: F_i > u F_V}``. ``(...)``.
+
+    Exact for the given distribution (zero-probability entries are never drawn) and several times faster than
+    ``torch.multinomial`` over a 50k-150k vocabulary on a CPU; one uniform per row from ``generator``.
+    """
+    cdf = probs.float().cumsum(dim=-1)
+    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device) * cdf[..., -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
 def lengths_to_mask(window_lengths: torch.Tensor, max_window: int) -> torch.Tensor:
     """``(B,)`` window lengths ``L`` -> ``(B, K)`` bool mask ``[i < L]``."""
     positions = torch.arange(max_window, device=window_lengths.device)
@@ -193,7 +204,7 @@ def speculative_sampling_verify(
         q_next = torch.zeros_like(p_next)
     rejected = (accepted < window_lengths).unsqueeze(-1)
     next_probs = torch.where(rejected, residual_distribution(p_next, q_next), p_next)
-    next_token = torch.multinomial(next_probs, 1, generator=generator).squeeze(-1)
+    next_token = sample_categorical(next_probs, generator)
     return VerificationResult(accepted_length=accepted, next_token=next_token)
 
 

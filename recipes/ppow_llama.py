@@ -25,13 +25,10 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from ppow_trl import KDConfig, KDTrainer, PPOWConfig, PPOWTrainer
 from ppow_trl.assisted import save_assistant
 from ppow_trl.bench import BenchDrafter, run_benchmark
-from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts
+from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts, main_process_first
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target, make_drafter
 from ppow_trl.model_card import PROTOCOL
-from ppow_trl.rollout import draft_windows, target_window_probs
 from ppow_trl.utils import cache_root, set_cpu_threads
-from ppow_trl.verification import window_prefix_acceptance
-from ppow_trl.windowing import AdaptiveWindowPolicy, calibrate_window_policy
 
 logger = logging.getLogger("ppow_llama")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "offline_smollm2.yaml"
@@ -58,7 +55,8 @@ class PPOWScriptArguments:
         max_new_tokens (`int`, *optional*, defaults to `64`):
             Length of the regenerated responses.
         calibration_fraction (`float`, *optional*, defaults to `0.2`):
-            Share of the regenerated responses held out of training to calibrate the window policy (K, h).
+            Share of the regenerated responses held out of training: the trainer's `eval_dataset`, on which it
+            calibrates the window policy (K, h) after training and evaluates `eval_tau` at `eval_steps`.
         kd_steps (`int`, *optional*, defaults to `0`):
             Steps of token-level distillation (KDTrainer on the target's top-k) before PPOW; 0 skips it.
         kd_learning_rate (`float`, *optional*, defaults to `5e-4`):
@@ -107,25 +105,6 @@ def _named(field_name: str, value, build):
         raise type(error)(f"--{field_name} {value!r}: {error}") from error
 
 
-def calibration_rollouts(target, drafter, tokenizer, data, args: PPOWConfig, vocab: int, max_contexts: int = 64):
-    """Drafter windows of K tokens on held-out contexts and their prefix acceptance P(A >= k)."""
-    contexts = []
-    for prompt, response in zip(data["prompt_ids"], data["response_ids"]):
-        step = max(1, len(response) // 4)
-        contexts += [torch.tensor(prompt + response[:t]) for t in range(0, len(response) - 1, step)]
-    contexts = contexts[:max_contexts]
-    full = AdaptiveWindowPolicy(args.max_window, 0.0)
-    greedy = args.acceptance == "greedy"
-    temperature = 0.0 if greedy else args.temperature
-    with torch.no_grad():
-        drafted = draft_windows(drafter, contexts, full, pad_id=tokenizer.pad_token_id, temperature=args.temperature,
-                                vocab_size=vocab, generator=torch.Generator().manual_seed(args.seed))
-        p = target_window_probs(target, contexts, drafted.window_ids, pad_id=tokenizer.pad_token_id,
-                                temperature=temperature if greedy else args.verify_temperature, vocab_size=vocab)
-    prefix = window_prefix_acceptance(drafted.window_ids, p, drafted.drafter_probs, drafted.window_mask, greedy=greedy)
-    return drafted.confidences, prefix
-
-
 def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args: ModelConfig):
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
     threads = set_cpu_threads() if not torch.cuda.is_available() else torch.get_num_threads()
@@ -139,8 +118,10 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     vocab = len(tokenizer)
 
     prompts = load_prompts(script_args.train_prompts, num_samples=script_args.num_train_prompts, seed=training_args.seed)
-    data = build_target_responses(target, tokenizer, prompts, max_new_tokens=script_args.max_new_tokens,
-                                  batch_size=8, seed=training_args.seed, cache_dir=cache / "responses")
+    # Under `accelerate launch` the main process regenerates (and caches) the data; the others then load it.
+    with main_process_first():
+        data = build_target_responses(target, tokenizer, prompts, max_new_tokens=script_args.max_new_tokens,
+                                      batch_size=8, seed=training_args.seed, cache_dir=cache / "responses")
     num_calibration = max(1, int(round(len(data) * script_args.calibration_fraction)))
     train_data = data.select(range(len(data) - num_calibration))
     calibration_data = data.select(range(len(data) - num_calibration, len(data)))
@@ -157,7 +138,8 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         pretrained=script_args.drafter_model, draft_vocab_ids=draft_vocab, target_tokenizer=tokenizer))
 
     if script_args.kd_steps:
-        topk = compute_target_topk(target, train_data, top_k=32, batch_size=8, cache_dir=cache / "topk")
+        with main_process_first():
+            topk = compute_target_topk(target, train_data, top_k=32, batch_size=8, cache_dir=cache / "topk")
         kd_args = KDConfig(output_dir=str(Path(training_args.output_dir) / "kd"), max_steps=script_args.kd_steps,
                            per_device_train_batch_size=8, learning_rate=script_args.kd_learning_rate,
                            lr_scheduler_type="cosine", warmup_steps=max(1, script_args.kd_steps // 10),
@@ -165,18 +147,14 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
                            report_to=training_args.report_to, seed=training_args.seed, use_cpu=training_args.use_cpu)
         KDTrainer(model=drafter.train(), args=kd_args, train_dataset=topk, processing_class=tokenizer).train()
 
+    # The held-out responses are the trainer's eval_dataset: eval_tau at eval_steps (if eval_strategy is set) and,
+    # at the end of train(), the calibration of (K, h) in training_args.calibration_regime.
     trainer = PPOWTrainer(model=drafter, target_model=target, args=training_args, train_dataset=train_data,
-                          processing_class=tokenizer, peft_config=get_peft_config(model_args))
+                          eval_dataset=calibration_data, processing_class=tokenizer,
+                          peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    if trainer.accelerator.is_main_process:
-        eval_drafter = unwrapped.eval()
-        conf, prefix = calibration_rollouts(target, eval_drafter, tokenizer, calibration_data, training_args, vocab)
-        policy, _ = calibrate_window_policy(conf, prefix, trainer.cost_model)
-        logger.info("Calibrated window policy on %d held-out windows: K = %d, h = %.2f", len(conf),
-                    policy.max_window, policy.threshold)
-        trainer.window_policy = policy
 
     # Adapter (or drafter) + the calibrated window policy + cost model + custom_generate/ for assistant_model=.
     trainer.save_model(training_args.output_dir)

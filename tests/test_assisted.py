@@ -14,6 +14,7 @@ import copy
 import functools
 import hashlib
 import json
+import os
 import re
 import shutil
 import socket
@@ -268,7 +269,8 @@ def test_the_hook_uses_the_policys_confidence_temperature(
     target = copy.deepcopy(target)
     policy = AdaptiveWindowPolicy(6, threshold, confidence_temperature)
     assistant = load_assistant(save_assistant(copy.deepcopy(drafter), tmp_path / "d", policy=policy))
-    assert getattr(assistant.generation_config, GENERATION_CONFIG_KEY)["confidence_temperature"] == confidence_temperature
+    stored = getattr(assistant.generation_config, GENERATION_CONFIG_KEY)
+    assert stored["confidence_temperature"] == confidence_temperature
     without_eos(target, assistant)
     rounds = spy(assistant)
     torch.manual_seed(0)
@@ -408,8 +410,10 @@ def test_the_hook_is_a_self_contained_module_of_the_package():
     from setuptools import find_packages
 
     tree = ast.parse(HOOK_SOURCE.read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported = {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
     assert imported <= {"copy", "json", "os", "torch", "transformers"}, imported
     assert "ppow_trl.custom_generate" in find_packages(where=str(REPO_ROOT), include=["ppow_trl*"])
     import ppow_trl.windowing as windowing
@@ -596,8 +600,8 @@ def test_adapter_model_card_loads_policy_and_cost_model_from_the_hub(tmp_path, f
     assert "LoRA adapter" in card and "merge_and_unload" in card and "trust_remote_code=True" in card
     assert "commit hash" in card and "T_c = 0.8" in card
     code = card.split("```python\n", 1)[1].split("```", 1)[0]
-    wanted = [line for line in code.splitlines()
-              if line.startswith(("revision =", "policy =", "cost_model =", "from ppow_trl.windowing", "from ppow_trl.cost"))]
+    starts = ("revision =", "policy =", "cost_model =", "from ppow_trl.windowing", "from ppow_trl.cost")
+    wanted = [line for line in code.splitlines() if line.startswith(starts)]
     assert len(wanted) == 5 and 'AdaptiveWindowPolicy.from_pretrained("me/ppow-drafter", revision=revision)' in code
     folder = tmp_path / "adapter"
     AdaptiveWindowPolicy(4, 0.3, 0.8).save_pretrained(folder)
@@ -652,7 +656,7 @@ except ImportError as error:
 else:
     print("imported")
 """
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PPOW_TRL_SKIP_TRL_CHECK"}
+    env = {k: v for k, v in os.environ.items() if k != "PPOW_TRL_SKIP_TRL_CHECK"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
                             env=env)
     assert result.returncode == 0, result.stderr[-3000:]

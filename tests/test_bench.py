@@ -165,8 +165,9 @@ def test_cli_builds_drafters_from_folder_and_layers(tmp_path):
             "--drafter-layers", "2", "--max-window", "5", "--threshold", "0.1", "--cost-repeats", "0",
             "--output", str(tmp_path / "out" / "b"), "--no-progress"]
     report = main(argv, target=target, tokenizer=make_tiny_tokenizer())
-    policies = {d["name"]: d["policy"] for d in report["drafters"]}
+    policies = {d["name"]: {k: d["policy"][k] for k in ("max_window", "threshold")} for d in report["drafters"]}
     assert policies == {"drafter": {"max_window": 3, "threshold": 0.25}, "layers2": {"max_window": 5, "threshold": 0.1}}
+    assert all(d["policy"]["confidence_temperature"] == 1.0 for d in report["drafters"])
     assert report["settings"]["methods"] == ["target", "fast_adaptive", "hf_assisted"]  # target always runs
     assert all(r["lossless"] for r in report["records"])
     assert (tmp_path / "out" / "b.json").is_file()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ppow_trl.rollout import draft_windows, left_pad, target_window_probs
+from ppow_trl.rollout import draft_windows, left_pad, target_window_probs, length_buckets
 from ppow_trl.verification import greedy_accepted_length
 from ppow_trl.windowing import AdaptiveWindowPolicy
 
@@ -83,3 +83,30 @@ def test_shared_context_cache_equals_repeated_contexts(tiny_target, tiny_drafter
     assert torch.allclose(p_shared, p_repeated, atol=1e-5)
     with pytest.raises(ValueError, match="windows for"):
         target_window_probs(tiny_target, contexts, shared.window_ids)
+
+
+def test_length_buckets_bound_the_padding():
+    lengths = [200, 12, 190, 15, 60, 58, 14]
+    buckets = length_buckets(lengths, max_padding=0.2)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+    for bucket in buckets:
+        longest = max(lengths[i] for i in bucket)
+        assert 1 - sum(lengths[i] for i in bucket) / (len(bucket) * longest) <= 0.2
+    assert length_buckets([50, 48, 49]) == [[0, 2, 1]]  # little padding: one bucket
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_bucketed_prefill_equals_each_context_alone(tiny_target, group):
+    """Contexts of very different lengths run in buckets and merge into one cache: every row sees what it would
+    see alone (target probabilities against an unpadded forward), in the given order."""
+    g = torch.Generator().manual_seed(4)
+    lengths = [40, 3, 37, 5, 20]
+    contexts = [torch.randint(8, 64, (n,), generator=g) for n in lengths]
+    assert len(length_buckets(lengths)) > 1
+    windows = torch.randint(8, 64, (len(contexts) * group, 3), generator=g)
+    probs = target_window_probs(tiny_target, contexts, windows, num_samples_per_context=group)
+    for row in range(len(windows)):
+        context = contexts[row // group]
+        full = torch.cat([context, windows[row]])[None]
+        alone = torch.softmax(tiny_target(full).logits[0, len(context) - 1 :], -1)
+        assert torch.allclose(probs[row], alone, atol=1e-5)

@@ -268,3 +268,20 @@ def test_acceptance_histogram_counts_rounds_by_accepted_length():
     for bad in ([3], [-1]):
         with pytest.raises(ValueError, match="outside"):
             acceptance_histogram(bad, 2)
+
+
+def test_sample_categorical_draws_the_given_distribution():
+    """Inverse-CDF sampling: chi-square against the distribution; zero-probability entries are never drawn."""
+    from scipy.stats import chisquare
+
+    from ppow_trl.verification import sample_categorical
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.5, 0.0, 0.2, 0.3, 0.0], [0.0, 0.1, 0.0, 0.0, 0.9]])
+    draws = sample_categorical(probs.repeat(10_000, 1).view(10_000, 2, 5), g)
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=5)
+        support = probs[row] > 0
+        assert (counts[~support] == 0).all()
+        _, p_value = chisquare(counts[support].numpy(), (probs[row][support] * 10_000).numpy())
+        assert p_value > 1e-3

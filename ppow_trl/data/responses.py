@@ -3,7 +3,7 @@
 EAGLE, SpecForge and speculators regenerate the responses with the target itself: a drafter must learn what
 *the target* writes, not what some other model wrote (see design/PPOW.md "Setting"). This module holds that
 builder and the pieces it and the other data builders share: `encode_prompt` (chat template -> ids),
-`pad_sequences`, `stop_token_ids` / `truncate_at_stop`, and the target's eval mode while it labels data.
+`pad_sequences` (from `ppow_trl.padding`), `stop_token_ids` / `truncate_at_stop`, and the target's eval mode while it labels data.
 The results go through the resumable cache of `ppow_trl.data.cache`.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from datasets import Dataset, Features, Value
 
+from ..padding import pad_sequences  # re-exported as ppow_trl.data.pad_sequences
 from .cache import (
     DEFAULT_CHUNK_SIZE,
     build_sharded_dataset,
@@ -38,30 +39,6 @@ def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def pad_sequences(
-    sequences: Sequence[Sequence[int]], pad_id: int, side: str = "right", device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad token id lists into `(input_ids, attention_mask)` tensors, on the left or the right.
-
-    Both sides are needed here: `generate` wants prompts padded on the left (each ends where generation
-    starts), while the teacher-forced top-k pass (`ppow_trl.data.topk`) pads on the right so that every real
-    token keeps its natural position without position ids and one `logits_to_keep` range fits every row.
-    That is why this does not reuse `ppow_trl.rollout.left_pad`, which pads on the left only (its contexts get
-    explicit position ids) and rejects empty rows; the two agree on the left (pad id, int64 ids and mask).
-    We pad by hand instead of through the tokenizer so that no caller's tokenizer is ever mutated.
-    """
-    if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}.")
-    length = max((len(sequence) for sequence in sequences), default=0)
-    input_ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        span = slice(length - len(sequence), length) if side == "left" else slice(0, len(sequence))
-        input_ids[row, span] = torch.tensor(list(sequence), dtype=torch.long)
-        attention_mask[row, span] = 1
-    return input_ids.to(device), attention_mask.to(device)
 
 
 def stop_token_ids(target, tokenizer) -> list[int]:
