@@ -9,8 +9,8 @@ Measured in one run:
    recomputes its context) and from the shared-context path (each context once per micro-batch),
    interleaved in chunks of steps, median seconds per step (the step-0 selection refresh excluded), and
    the share of time in target forwards.
-3. Peak memory of a training run of each arm, each in its own subprocess (peak RSS minus the RSS before
-   `train()`, Linux `ru_maxrss`).
+3. Peak memory of a training run of each arm, each in its own subprocess (peak RSS during `train()`, the
+   kernel's VmHWM reset just before it, minus the RSS before it; Linux only).
 
     python benchmarks/trainer_throughput.py --out benchmarks/results/trainer_throughput.json
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -115,22 +114,29 @@ def make_trainer(target, tokenizer, data, args, shared: bool, steps: int, callba
 
 
 def memory_run(args) -> None:
-    """Subprocess mode: one training run of one arm; prints its peak RSS above the pre-training RSS (MiB)."""
+    """Subprocess mode: one training run of one arm; prints the peak RSS during ``train()`` above the RSS before it
+    (MiB). The kernel's peak (VmHWM) is reset just before training (``/proc/self/clear_refs``), so loading the
+    models does not count."""
     set_cpu_threads()
     target, tokenizer, data = setup(args)
-    trainer = make_trainer(target, tokenizer, data, args, ARMS[args.memory_arm], steps=2,
+    trainer = make_trainer(target, tokenizer, data, args, ARMS[args.memory_arm], steps=3,
                            cost_model=CostModel(drafter_cost=0.1, verify_cost=[1.0] * (args.max_window + 1)))
-    before_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    before = _rss_mib()
+    before = _status_mib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     trainer.train()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"arm": args.memory_arm, "rss_before_train_mib": before, "peak_before_train_mib": before_peak,
-                      "peak_mib": peak, "peak_above_start_mib": peak - before}))
+    peak = _status_mib("VmHWM")
+    print(json.dumps({"arm": args.memory_arm, "rss_before_train_mib": before, "peak_during_train_mib": peak,
+                      "peak_above_start_mib": peak - before}))
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+def _status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (kB) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def rollout_timings(target, tokenizer, data, args) -> dict:

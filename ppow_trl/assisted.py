@@ -124,22 +124,28 @@ def policy_dict(policy: AdaptiveWindowPolicy) -> dict:
     return data
 
 
-def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy):
+def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy, vocab_size: int | None = None):
     """Set a drafter's ``generation_config`` for HF's assisted generation with our rule; returns it.
 
     ``num_assistant_tokens = K`` (HF drafts at most this many), ``num_assistant_tokens_schedule = "constant"``
     (HF never changes K), ``assistant_confidence_threshold = 0`` (HF's per-token rule and its re-tuning are
-    off), and ``ppow_window_policy = policy_dict(policy)`` (``K``, ``h``, ``T_c``; read by the hook).
+    off), and ``ppow_window_policy = policy_dict(policy)`` (``K``, ``h``, ``T_c``; read by the hook), plus
+    ``vocab_size`` when given (the tokenizer's length: confidences over those scores only, as in training).
     """
     policy = _check_policy(policy)
     generation_config.num_assistant_tokens = policy.max_window
     generation_config.num_assistant_tokens_schedule = "constant"
     generation_config.assistant_confidence_threshold = 0.0
-    setattr(generation_config, GENERATION_CONFIG_KEY, policy_dict(policy))
+    data = policy_dict(policy)
+    if vocab_size is None:  # keep what the config already says (e.g. re-saving a loaded drafter)
+        vocab_size = (getattr(generation_config, GENERATION_CONFIG_KEY, None) or {}).get("vocab_size")
+    if vocab_size is not None:
+        data["vocab_size"] = int(vocab_size)
+    setattr(generation_config, GENERATION_CONFIG_KEY, data)
     return generation_config
 
 
-def attach_window_policy(drafter, policy: AdaptiveWindowPolicy):
+def attach_window_policy(drafter, policy: AdaptiveWindowPolicy, vocab_size: int | None = None):
     """In memory, without saving: make ``drafter`` apply ``policy`` as an HF assistant; returns ``drafter``.
 
     Sets its generation config (``configure_generation_config``) and replaces its ``generate`` with
@@ -148,7 +154,7 @@ def attach_window_policy(drafter, policy: AdaptiveWindowPolicy):
     """
     if _is_peft_model(drafter):
         raise ValueError(_PEFT_MESSAGE)
-    configure_generation_config(drafter.generation_config, policy)
+    configure_generation_config(drafter.generation_config, policy, vocab_size)
     drafter.generate = functools.partial(_hook_generate, model=drafter)
     return drafter
 
@@ -192,15 +198,16 @@ def save_assistant(
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}.")
     folder = Path(folder)
-    configure_generation_config(drafter.generation_config, policy)
+    configure_generation_config(drafter.generation_config, policy, None if tokenizer is None else len(tokenizer))
     drafter.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    write_assistant_files(folder, policy, cost_model)
+    write_assistant_files(folder, policy, cost_model, None if tokenizer is None else len(tokenizer))
     return folder
 
 
-def write_assistant_files(folder, policy: AdaptiveWindowPolicy, cost_model: CostModel | None = None) -> Path:
+def write_assistant_files(folder, policy: AdaptiveWindowPolicy, cost_model: CostModel | None = None,
+                          vocab_size: int | None = None) -> Path:
     """Write everything ``save_assistant`` writes except the weights, config and tokenizer; returns the folder.
 
     ``ppow_window_policy.json``, ``ppow_cost_model.json`` (if ``cost_model``), ``custom_generate/generate.py``
@@ -218,7 +225,7 @@ def write_assistant_files(folder, policy: AdaptiveWindowPolicy, cost_model: Cost
     hook = folder / CUSTOM_GENERATE_FILE
     hook.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(HOOK_SOURCE, hook)
-    _update_generation_config(folder, policy)
+    _update_generation_config(folder, policy, vocab_size)
     _write_modeling_file(folder)
     return folder
 
@@ -265,7 +272,7 @@ def _write_modeling_file(folder: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _update_generation_config(folder: Path, policy: AdaptiveWindowPolicy) -> None:
+def _update_generation_config(folder: Path, policy: AdaptiveWindowPolicy, vocab_size: int | None = None) -> None:
     from transformers import GenerationConfig
 
     if (folder / "generation_config.json").is_file():
@@ -275,7 +282,7 @@ def _update_generation_config(folder: Path, policy: AdaptiveWindowPolicy) -> Non
         config = GenerationConfig.from_pretrained(folder, config_file_name="config.json", _from_model_config=True)
     else:
         return
-    configure_generation_config(config, policy).save_pretrained(folder)
+    configure_generation_config(config, policy, vocab_size).save_pretrained(folder)
 
 
 def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, **from_pretrained_kwargs):
@@ -324,14 +331,27 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, **from_pr
     )
     if getattr(drafter, "_hf_peft_config_loaded", False):
         raise ValueError(f"{folder_or_repo} holds a PEFT adapter. " + _PEFT_MESSAGE)
+    vocab_size = _saved_vocab_size(source, hub_kwargs)
     if not trust_remote_code:
-        return attach_window_policy(drafter, policy)
-    configure_generation_config(drafter.generation_config, policy)
+        return attach_window_policy(drafter, policy, vocab_size)
+    configure_generation_config(drafter.generation_config, policy, vocab_size)
     if not isinstance(drafter.__dict__.get("generate"), functools.partial):
         # transformers skipped the folder's hook (generation_config= was passed, or a folder written before
         # custom_generate existed): install the same code in memory.
         drafter.generate = functools.partial(_hook_generate, model=drafter)
     return drafter
+
+
+def _saved_vocab_size(source: str, hub_kwargs: dict) -> int | None:
+    """The ``vocab_size`` save_assistant recorded in the folder's ``generation_config.json``, read as JSON:
+    transformers drops custom fields when the generation config was derived from the model config."""
+    from .utils import load_json
+
+    try:
+        config = load_json(source, "generation_config.json", "no generation config saved.", **hub_kwargs)
+    except FileNotFoundError:
+        return None
+    return (config.get(GENERATION_CONFIG_KEY) or {}).get("vocab_size")
 
 
 def load_cost_model(folder_or_repo, **hub_kwargs) -> CostModel | None:

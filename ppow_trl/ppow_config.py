@@ -161,6 +161,9 @@ class PPOWConfig(GRPOConfig):
     def __post_init__(self):
         if isinstance(self.per_token_credit, bool) or self.per_token_credit in ("True", "False", "true", "false"):
             self.per_token_credit = "add" if str(self.per_token_credit).lower() == "true" else "none"
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            # HF would fall back to "loss", which PPOWTrainer's evaluation does not produce.
+            self.metric_for_best_model = "eval_tau"
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         self.max_completion_length = self.max_window if isinstance(self.max_window, int) else None

@@ -111,10 +111,13 @@ class PPOWTrainer(GRPOTrainer):
         # Frozen verifier: eval mode, no gradients, never wrapped or prepared by accelerate.
         self.target = target_model.eval().requires_grad_(False)
         args.reward_weights = [1.0, args.proximity_weight]
-        if args.beta > 0 and peft_config is None and isinstance(model, PPOWDrafterForCausalLM):
+        if args.beta > 0 and peft_config is None:
+            # Without PEFT, TRL builds the reference model by reloading `config._name_or_path`, which for a drafter
+            # built in memory (a truncated target, a KD warm start) is not this drafter at all.
             raise ValueError(
-                "beta > 0 with a reduced-vocabulary drafter needs a peft_config (the reference is then the drafter "
-                "with its adapter disabled); or set beta=0 (the default)."
+                "beta > 0 needs a peft_config: the KL reference is then exactly the initial drafter (the adapter "
+                "disabled). Without PEFT, TRL would reload the reference from config._name_or_path, which is not the "
+                "drafter you pass. Or set beta=0 (the default)."
             )
         super().__init__(
             model=model,
@@ -148,10 +151,15 @@ class PPOWTrainer(GRPOTrainer):
             # rank, but would need the gathered parameters each time.)
             raise NotImplementedError("PPOWTrainer supports DDP and DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3.")
 
-        self.window_policy = AdaptiveWindowPolicy(args.max_window, args.window_threshold, args.confidence_temperature)
+        # Two rules: the one the training rollouts draft with (fixed by the config, so the training distribution
+        # and exact resume do not depend on evaluations), and the served one that save_model writes, replaced by
+        # each calibration on held-out data.
+        self.rollout_policy = AdaptiveWindowPolicy(args.max_window, args.window_threshold, args.confidence_temperature)
+        self.window_policy = self.rollout_policy
         # Measured lazily (before the first rollout), after accelerator.prepare has placed the drafter: under
         # DeepSpeed the drafter is still on the CPU here.
         self._cost_model = cost_model
+        self._cost_model_measured = False  # measured here (not given): re-measured after prepare if taken before
         self._greedy_continuations: dict[tuple, list[int]] = {}  # eval prompts -> the target's greedy text
         self.context_selector = ContextSelector(
             self.context_pool.lengths, beta=args.selection_beta, eps=args.selection_eps,
@@ -180,7 +188,15 @@ class PPOWTrainer(GRPOTrainer):
           silently wrong (docs/design/trainer-notes.md, section 0).
         """
         drafter = self._unwrapped_drafter()
-        head_rows = drafter.get_output_embeddings().weight.shape[0]
+        head = drafter.get_output_embeddings()
+        if hasattr(head, "lora_A"):
+            # Both loss paths project with head.weight, the frozen base weight: a LoRA delta on the head would shape
+            # the sampled q but never the loss.
+            raise ValueError(
+                "LoRA on the drafter's output head is not supported: the loss uses the head's weight, not the adapter's "
+                "delta. Leave lm_head out of target_modules (or train it fully with modules_to_save=['lm_head'])."
+            )
+        head_rows = head.weight.shape[0]
         reduced = isinstance(drafter, PPOWDrafterForCausalLM)
         if not self.args.shared_context_logprobs and not reduced and head_rows != self.vocab_size:
             raise ValueError(
@@ -207,6 +223,7 @@ class PPOWTrainer(GRPOTrainer):
         """``t_d/t_t`` and ``t_v(L)/t_t``: given, restored from a checkpoint, or measured on first use."""
         if self._cost_model is None:
             self._cost_model = self._initial_cost_model()
+            self._cost_model_measured = self.args.drafter_cost is None
         return self._cost_model
 
     @cost_model.setter
@@ -321,7 +338,7 @@ class PPOWTrainer(GRPOTrainer):
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
         ) as drafter, torch.no_grad():
-            drafted = draft_windows(drafter, contexts, self.window_policy, pad_id=pad_id, temperature=self.args.temperature,
+            drafted = draft_windows(drafter, contexts, self.rollout_policy, pad_id=pad_id, temperature=self.args.temperature,
                                     vocab_size=self.vocab_size, num_samples_per_context=group, generator=generator)
         target_probs = target_window_probs(self.target, contexts, drafted.window_ids, pad_id=pad_id,
                                            temperature=self._verify_temperature, vocab_size=self.vocab_size,
@@ -414,15 +431,27 @@ class PPOWTrainer(GRPOTrainer):
         """
         inner = self.accelerator.unwrap_model(model)
         inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        # Checkpointed layers drop the KV cache in training (also when enabled on the model, e.g. by
+        # peft.prepare_model_for_kbit_training), so the windows could not see their context there.
+        checkpointed = (self.args.activation_checkpointing or self.args.gradient_checkpointing
+                        or any(getattr(m, "gradient_checkpointing", False) for m in inner.modules()))
         use_shared = (self.args.shared_context_logprobs and getattr(inner, "_ppow_window_logprobs", False)
                       and not compute_aux_loss and not any(v is not None for v in multimodal.values())
-                      and not (self.args.activation_checkpointing or self.args.gradient_checkpointing))
+                      and not checkpointed)
         if not use_shared:
+            head_rows = inner.get_output_embeddings().weight.shape[0]
+            if not isinstance(inner, PPOWDrafterForCausalLM) and head_rows != self.vocab_size:
+                raise ValueError(
+                    f"TRL's generic loss path (used here because of activation checkpointing, an MoE aux loss or a "
+                    f"model without PPOW's route) normalises over all {head_rows} head rows, but the rollout samples "
+                    f"over the {self.vocab_size} tokens of the tokenizer. Turn activation checkpointing off (drafters "
+                    "are small) so the shared-context path runs."
+                )
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
         route = {"num_window_tokens": logits_to_keep, "vocab_size": self.vocab_size, "temperature": self.temperature,
-                 "compute_entropy": compute_entropy}
+                 "compute_entropy": compute_entropy, "cast_lm_head_to_fp32": self.args.cast_lm_head_to_fp32}
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
@@ -450,6 +479,10 @@ class PPOWTrainer(GRPOTrainer):
                 f"({args.steps_per_generation} x {self.num_iterations}). Use steps_per_generation = "
                 "gradient_accumulation_steps and num_iterations = 1, or train without resuming."
             )
+        if self._cost_model_measured:
+            # Measured by an evaluation or calibration before train(): the drafter was not prepared yet (device,
+            # mixed precision). Measure again before the first rollout; a resumed run restores its own.
+            self._cost_model, self._cost_model_measured = None, False
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         if args.calibrate_window:
@@ -518,6 +551,7 @@ class PPOWTrainer(GRPOTrainer):
         if dataset is None:
             raise ValueError("PPOWTrainer.evaluate needs eval_dataset: held-out target responses "
                              "(ppow_trl.data.build_target_responses on prompts not used for training).")
+        self.cost_model  # measured (a collective) on every process before the main-process-only work below
         was_training = self.model.training
         self.model.eval()
         try:
@@ -594,7 +628,7 @@ class PPOWTrainer(GRPOTrainer):
             # `assistant_model=` path applies the rule through custom_generate/ (see ppow_trl/assisted.py).
             from .assisted import write_assistant_files
 
-            write_assistant_files(output_dir, self.window_policy, self._cost_model)
+            write_assistant_files(output_dir, self.window_policy, self._cost_model, vocab_size=self.vocab_size)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """README.md for the drafter folder: target, drafter, data, hyperparameters, window rule, cost model

@@ -100,16 +100,19 @@ def _prefill(model, contexts, pad_id, num_samples_per_context):
     """
     device = next(model.parameters()).device
     buckets = length_buckets([len(c) for c in contexts])
-    results = None
-    if len(buckets) > 1:
-        results = [_forward_contexts(model, [contexts[i] for i in bucket], pad_id, device) for bucket in buckets]
-    if results is not None and all(type(layer) is DynamicLayer for _, cache, _ in results for layer in cache.layers):
+    results = []
+    for bucket in buckets if len(buckets) > 1 else ():
+        results.append(_forward_contexts(model, [contexts[i] for i in bucket], pad_id, device))
+        if not all(type(layer) is DynamicLayer for layer in results[-1][1].layers):
+            results = []  # sliding-window or other bounded cache layers: no merging
+            break
+    if results:
         flat = torch.tensor([i for bucket in buckets for i in bucket])
         inverse = torch.empty_like(flat)
         inverse[flat] = torch.arange(len(flat))
         cache, mask = _merge_left_padded([r[1] for r in results], [r[2] for r in results], inverse)
         logits = torch.cat([r[0] for r in results])[inverse.to(device)]
-    else:  # padding already low, or sliding-window/bounded cache layers: one padded batch in the given order
+    else:  # padding already low, or cache layers that cannot be merged: one padded batch in the given order
         logits, cache, mask = _forward_contexts(model, contexts, pad_id, device)
     positions = positions_from_mask(mask)
     if num_samples_per_context > 1:

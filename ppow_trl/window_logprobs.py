@@ -16,6 +16,8 @@ projection uses TRL's chunked log-prob kernel, which never materialises the ``(r
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 from trl.kernels import ChunkedLogProbFunction
@@ -90,12 +92,14 @@ def shared_context_window_logprobs(
     vocab_size: int,
     temperature: float,
     compute_entropy: bool = False,
+    cast_lm_head_to_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(z / T)[y_i]`` (and the entropy) at the last ``num_window_tokens`` positions. ``(B, C)``.
 
     ``input_ids``/``attention_mask`` are TRL's ``[left-padded context | right-padded window]`` rows, ``C =
     num_window_tokens``. ``model`` is the causal LM itself (its forward is where this runs, so DDP and PEFT
-    wrappers stay in the call chain). Padding positions of the window get 0.
+    wrappers stay in the call chain). Padding positions of the window get 0. ``cast_lm_head_to_fp32``: the head
+    runs in float32 outside autocast, as TRL's fused head does with that option.
     """
     width = input_ids.shape[1] - num_window_tokens
     prompt_ids, prompt_mask = input_ids[:, :width], attention_mask[:, :width]
@@ -108,6 +112,11 @@ def shared_context_window_logprobs(
     cache = DynamicCache(config=model.config.get_text_config())
     context_out = backbone(input_ids=prompt_ids[first_row], attention_mask=context_mask,
                            position_ids=positions_from_mask(context_mask), cache=cache, use_cache=True)
+    if cache.get_seq_length() != width:
+        raise RuntimeError(
+            "The drafter's forward did not fill the KV cache (activation checkpointing drops it in training): the "
+            "windows would be scored without their context. Disable activation checkpointing on the drafter."
+        )
     hidden = [context_out.last_hidden_state[:, -1:][inverse]]  # predicts y_1
     if num_window_tokens > 1:
         cache.batch_select_indices(inverse)  # differentiable indexing: each row reads its context's keys/values
@@ -130,10 +139,15 @@ def shared_context_window_logprobs(
     bias = None if head.bias is None else (head.bias if len(rows) == head.bias.shape[0] else head.bias[rows])
     softcap, scale = logit_transform(model)
     hidden = hidden.to(weight.device)
+    autocast = contextlib.nullcontext()
+    if cast_lm_head_to_fp32:
+        hidden, autocast = hidden.float(), torch.autocast(hidden.device.type, enabled=False)
     outputs = ("log_probs", "entropy") if compute_entropy else ("log_probs",)
-    log_probs, entropy, *_ = ChunkedLogProbFunction.apply(
-        hidden[valid], weight, bias, labels[valid], temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, softcap, scale, outputs
-    )
+    with autocast:
+        log_probs, entropy, *_ = ChunkedLogProbFunction.apply(
+            hidden[valid], weight, bias, labels[valid], temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, softcap, scale,
+            outputs,
+        )
     # masked_scatter keeps an all-padding batch connected to the graph (a differentiable zero)
     log_probs = log_probs.new_zeros(valid.shape).masked_scatter(valid, log_probs)
     if entropy is not None:

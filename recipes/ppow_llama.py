@@ -64,9 +64,8 @@ class PPOWScriptArguments:
         eval_prompts (`str`, *optional*, defaults to `"mtbench"`):
             Held-out prompts of the tau/speedup evaluation: `mtbench`, `sharegpt-test` or a JSONL file.
         num_eval_prompts (`int`, *optional*, defaults to `4`):
-            Prompts evaluated (0 skips the evaluation).
-        eval_max_new_tokens (`int`, *optional*, defaults to `48`):
-            Tokens generated per evaluation prompt.
+            Prompts evaluated (0 skips the evaluation), each for PPOWConfig's `eval_max_new_tokens` tokens (the
+            same length as the trainer's `eval_tau`).
         merge_adapter (`bool`, *optional*, defaults to `False`):
             Also save the LoRA-merged standalone drafter in `<output_dir>/merged` (for engines that load plain
             draft models, e.g. vLLM's draft-model method).
@@ -86,7 +85,6 @@ class PPOWScriptArguments:
     kd_learning_rate: float = field(default=5e-4, metadata={"help": "KD learning rate."})
     eval_prompts: str = field(default="mtbench", metadata={"help": "mtbench | sharegpt-test | path.jsonl"})
     num_eval_prompts: int = field(default=4, metadata={"help": "Evaluation prompts (0 = no evaluation)."})
-    eval_max_new_tokens: int = field(default=48, metadata={"help": "Tokens per evaluation prompt."})
     merge_adapter: bool = field(default=False, metadata={"help": "Also save the merged standalone drafter."})
     cache_dir: str | None = field(default=None, metadata={"help": "Cache of regenerated data."})
 
@@ -165,7 +163,7 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         if script_args.merge_adapter and standalone is not unwrapped:
             save_assistant(standalone, Path(training_args.output_dir) / "merged", policy=trainer.window_policy,
                            cost_model=trainer.cost_model, tokenizer=tokenizer)
-        summary = evaluate_drafter(target, tokenizer, standalone, trainer, script_args, training_args.seed)
+        summary = evaluate_drafter(target, tokenizer, standalone, trainer, script_args, training_args)
         trainer.model_card_info = {
             "target": script_args.target_model,
             "drafter": (script_args.drafter_model or f"first {script_args.drafter_layers} layers of the target")
@@ -175,7 +173,7 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
             + (f"; KD warm start of {script_args.kd_steps} steps" if script_args.kd_steps else ""),
             "evaluation": summary,
             "evaluation_setup": f"{script_args.num_eval_prompts} {script_args.eval_prompts} prompts, greedy, "
-            f"{script_args.eval_max_new_tokens} new tokens, "
+            f"{training_args.eval_max_new_tokens} new tokens, "
             + ("GPU" if torch.cuda.is_available() else f"CPU ({threads} torch threads, fp32 drafter)")
             + f", target {training_args.target_quantization or 'unquantized'}.",
         }
@@ -185,14 +183,15 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     return trainer
 
 
-def evaluate_drafter(target, tokenizer, drafter, trainer, script_args, seed) -> list[dict]:
+def evaluate_drafter(target, tokenizer, drafter, trainer, script_args, training_args) -> list[dict]:
     """tau and speedup of the trained drafter on held-out prompts (ppow_trl.bench protocol); prints a summary."""
     if not script_args.num_eval_prompts:
         return []
+    seed = training_args.seed
     prompts = load_prompts(script_args.eval_prompts, num_samples=script_args.num_eval_prompts, seed=seed)
     report = run_benchmark(target, tokenizer, [BenchDrafter("ppow", drafter, trainer.window_policy, trainer.cost_model)],
                            prompts, methods=("target", "fast_fixed", "fast_adaptive"), modes=("greedy",),
-                           max_new_tokens=script_args.eval_max_new_tokens, seed=seed)
+                           max_new_tokens=training_args.eval_max_new_tokens, seed=seed)
     print(f"\nPPOW drafter on {len(prompts)} held-out {script_args.eval_prompts} prompts, greedy. {PROTOCOL}")
     for row in report["summary"]:
         print(f"  {row['label']:24s} tau {row['tau']:.2f}  speedup {row['speedup_median']:.2f}x "

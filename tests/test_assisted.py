@@ -158,7 +158,8 @@ def test_save_writes_policy_costs_hook_and_generation_config_and_reloads(tmp_pat
     saved = json.loads((folder / "generation_config.json").read_text())
     assert saved["num_assistant_tokens"] == 5 and saved["num_assistant_tokens_schedule"] == "constant"
     assert saved["assistant_confidence_threshold"] == 0.0  # HF's per-token rule (default 0.4) is off
-    stored = {"max_window": 5, "threshold": 0.35, "confidence_temperature": 1.0}
+    # the tokenizer's length: the hook's confidences cover those scores only
+    stored = {"max_window": 5, "threshold": 0.35, "confidence_temperature": 1.0, "vocab_size": 64}
     assert saved[GENERATION_CONFIG_KEY] == stored
     assert saved["eos_token_id"] == EOS  # the model's own generation settings are kept
     assert drafter.generation_config.num_assistant_tokens == 5  # the in-memory drafter is set too
@@ -757,3 +758,17 @@ def test_bad_input(tmp_path, models):
     assert not (tmp_path / "adapter" / "generation_config.json").exists()
     with pytest.raises(ValueError, match="PEFT adapter"):
         load_assistant(tmp_path / "adapter")
+
+
+def test_the_hook_computes_confidences_over_the_tokenizers_vocabulary(tmp_path, models):
+    """A head with padding rows: confidences over the first V scores only, as every other route; save_assistant
+    records V from the tokenizer."""
+    scores = (torch.tensor([[0.0, 0.0, 0.0, 50.0]]),)  # a padding row would otherwise carry all the mass
+    full = hook_module.PPOWWindowCriteria(4, 0.5)
+    sliced = hook_module.PPOWWindowCriteria(4, 0.5, vocab_size=3)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    assert not bool(full(ids, scores)[0]) and bool(sliced(ids, scores)[0])  # 1.0 >= h keeps; 1/3 < h stops
+    target, drafter, _ = models
+    folder = save_assistant(copy.deepcopy(drafter), tmp_path / "d", policy=AdaptiveWindowPolicy(4, 0.3),
+                            tokenizer=make_tiny_tokenizer())
+    assert hook_module.ppow_window_policy(load_assistant(folder))["vocab_size"] == len(make_tiny_tokenizer())

@@ -220,6 +220,36 @@ def test_refusals(tmp_path, target):
         PPOWTrainer(model=drafters(target)["padded"](), target_model=target,
                     args=config(tmp_path, shared_context_logprobs=False), train_dataset=responses(target),
                     processing_class=make_tiny_tokenizer())
+    with pytest.raises(ValueError, match="peft_config"):  # TRL would reload the KL reference from _name_or_path
+        PPOWTrainer(model=drafters(target)["plain"](), target_model=target, args=config(tmp_path, beta=0.1),
+                    train_dataset=responses(target), processing_class=make_tiny_tokenizer())
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match="lm_head"):  # TRL refuses it too; ours covers pre-wrapped PEFT drafters
+        PPOWTrainer(model=drafters(target)["plain"](), target_model=target, args=config(tmp_path),
+                    train_dataset=responses(target), processing_class=make_tiny_tokenizer(),
+                    peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    assert config(tmp_path, load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"
+                  ).metric_for_best_model == "eval_tau"
+
+
+def test_model_level_checkpointing_falls_back_to_trls_path(tmp_path, target):
+    """Checkpointed layers drop the KV cache in training: TRL's path runs (same values); a padded head is refused."""
+    trainer = PPOWTrainer(model=drafters(target)["plain"](), target_model=target, args=config(tmp_path),
+                          train_dataset=responses(target), processing_class=make_tiny_tokenizer())
+    out, ids, mask = batch(trainer, [0] * 16)
+    width = out["completion_ids"].shape[1]
+    shared, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, width)
+    trainer.model.gradient_checkpointing_enable()
+    generic, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, width)
+    valid = out["completion_mask"].bool()
+    assert torch.allclose(shared[valid], generic[valid], atol=1e-5)
+    padded = PPOWTrainer(model=drafters(target)["padded"](), target_model=target, args=config(tmp_path),
+                         train_dataset=responses(target), processing_class=make_tiny_tokenizer())
+    out, ids, mask = batch(padded, [0] * 16)
+    padded.model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="activation checkpointing"):
+        padded._get_per_token_logps_and_entropies(padded.model, ids, mask, out["completion_ids"].shape[1])
 
 
 def test_greedy_drafting_follows_the_threshold(target):
@@ -254,6 +284,7 @@ def test_evaluate_logs_held_out_tau_and_train_ends_calibrated(tmp_path, target):
     assert trainer.state.best_metric == max(h["eval_tau"] for h in evals)
     policy = trainer.window_policy
     assert policy.calibration["regime"] == "both" and policy.calibration["num_contexts"] == 12
+    assert trainer.rollout_policy == AdaptiveWindowPolicy(4, 0.0)  # training rollouts keep the configured rule
     trainer.save_model(str(tmp_path / "saved"))
     saved = json.loads((tmp_path / "saved" / "ppow_window_policy.json").read_text())
     assert saved["max_window"] == policy.max_window and saved["calibration"]["regime"] == "both"

@@ -83,12 +83,15 @@ class PPOWWindowCriteria(StoppingCriteria):
         confidence_temperature (`float`): ``T_c`` of the confidences.
         do_sample (`bool`): whether the drafter samples, i.e. whether its scores were divided by ``temperature``.
         temperature (`float`): the temperature applied to the scores when sampling (``s``); ignored when greedy.
+        vocab_size (`int`, *optional*): confidences over the first ``vocab_size`` scores only (the tokenizer's
+            tokens, as every other route computes them; a head may have padding rows beyond).
 
     ``scores`` is the tuple of processed scores of this ``generate`` call (one ``(batch, vocab)`` entry per drafted
     token); HF's assisted loop always asks the drafter for them (``output_scores=True``).
     """
 
-    def __init__(self, max_window, threshold, confidence_temperature=1.0, do_sample=False, temperature=1.0):
+    def __init__(self, max_window, threshold, confidence_temperature=1.0, do_sample=False, temperature=1.0,
+                 vocab_size=None):
         max_window, threshold = int(max_window), float(threshold)
         confidence_temperature, temperature = float(confidence_temperature), float(temperature)
         if max_window < 1 or not 0.0 <= threshold <= 1.0 or not confidence_temperature > 0:
@@ -102,6 +105,7 @@ class PPOWWindowCriteria(StoppingCriteria):
         self.threshold = threshold
         self.confidence_temperature = confidence_temperature
         self.score_scale = temperature if do_sample else 1.0
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.running = None
         self.num_drafted = 0
 
@@ -113,6 +117,8 @@ class PPOWWindowCriteria(StoppingCriteria):
             )
         while self.num_drafted < len(scores):
             logits = scores[self.num_drafted].float()
+            if self.vocab_size is not None:
+                logits = logits[..., : self.vocab_size]
             if self.score_scale != 1.0:
                 logits = logits * self.score_scale  # z / T -> z (-inf entries stay -inf)
             confidence = window_confidence(logits, self.confidence_temperature)
@@ -143,6 +149,7 @@ def ppow_window_policy(model):
         "max_window": int(policy["max_window"]),
         "threshold": float(policy["threshold"]),
         "confidence_temperature": float(policy.get("confidence_temperature", 1.0)),
+        "vocab_size": None if policy.get("vocab_size") is None else int(policy["vocab_size"]),
     }
 
 
@@ -217,6 +224,7 @@ def generate(*args, model, **kwargs):
                 confidence_temperature=policy["confidence_temperature"],
                 do_sample=do_sample,
                 temperature=_applied_temperature(generation_config, logits_processor, model) if do_sample else 1.0,
+                vocab_size=policy["vocab_size"],
             )
         )
         kwargs["stopping_criteria"] = criteria
