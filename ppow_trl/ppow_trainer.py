@@ -557,11 +557,18 @@ class PPOWTrainer(GRPOTrainer):
         try:
             if self.args.calibrate_window:
                 self.calibrate_window_policy(dataset)
-            values = torch.zeros(7, device=self.accelerator.device)
+            # Exact greedy tau (the costly part: the target's greedy text per prompt) is sharded over the processes
+            # and summed; the sampled-window metrics run on the main process and are broadcast.
+            counts = self._held_out_tau_counts(dataset)
+            if self.accelerator.num_processes > 1:
+                counts = self.accelerator.reduce(counts, reduction="sum")
+            values = torch.zeros(5, device=self.accelerator.device)
             if self.accelerator.is_main_process:
-                values = torch.tensor(self._held_out_metrics(dataset), device=self.accelerator.device)
+                values = torch.tensor(self._held_out_window_metrics(dataset), device=self.accelerator.device)
             if self.accelerator.num_processes > 1:
                 values = broadcast(values, from_process=0)
+            tau = counts[0] / counts[1].clamp_min(1), counts[2] / counts[3].clamp_min(1)
+            values = torch.cat([torch.stack(tau).to(values.device), values])
             names = ("tau", "tau_fixed_window", "expected_accepted", "simulated_speedup", "predicted_speedup",
                      "window_max", "window_threshold")
             metrics = {f"{metric_key_prefix}_{name}": float(v) for name, v in zip(names, values.tolist())}
@@ -571,26 +578,39 @@ class PPOWTrainer(GRPOTrainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
+    def _eval_rows(self, dataset):
+        count = self.args.eval_num_prompts
+        return dataset if count is None else dataset.select(range(min(count, len(dataset))))
+
     @torch.no_grad()
-    def _held_out_metrics(self, dataset) -> list[float]:
-        """The numbers behind ``evaluate`` (main process)."""
-        args, policy = self.args, self.window_policy
-        rows = dataset if args.eval_num_prompts is None else dataset.select(range(min(args.eval_num_prompts, len(dataset))))
+    def _held_out_tau_counts(self, dataset) -> torch.Tensor:
+        """This process's share (prompts ``rank::world``) of exact greedy tau: ``[tokens, rounds]`` at the served
+        rule, then at ``K = max_window``, h = 0. ``(4,)`` float on the accelerator's device."""
+        args, policy, acc = self.args, self.window_policy, self.accelerator
         fixed = policy.with_window(args.max_window, 0.0)
-        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter, _eval_mode(drafter):
-            tokens = {"rule": 0, "fixed": 0}
-            rounds = {"rule": 0, "fixed": 0}
-            for prompt in rows["prompt_ids"]:
+        counts = torch.zeros(4, dtype=torch.float64)
+        prompts = self._eval_rows(dataset)["prompt_ids"][acc.process_index :: acc.num_processes]
+        with unwrap_model_for_generation(self.model_wrapped, acc) as drafter, _eval_mode(drafter):
+            for prompt in prompts:
                 key = tuple(prompt)
                 if key not in self._greedy_continuations:  # the target's greedy text: computed once per prompt
                     self._greedy_continuations[key] = greedy_continuation(self.target, list(prompt),
                                                                           args.eval_max_new_tokens, self.vocab_size)
-                for name, rule in (("rule", policy), ("fixed", fixed)):
+                for column, rule in ((0, policy), (2, fixed)):
                     result = exact_greedy_tau(self.target, drafter, torch.tensor([prompt]), policy=rule,
                                               max_new_tokens=args.eval_max_new_tokens, vocab_size=self.vocab_size,
                                               continuation=self._greedy_continuations[key])
-                    tokens[name] += len(result.new_tokens)
-                    rounds[name] += result.num_rounds
+                    counts[column] += len(result.new_tokens)
+                    counts[column + 1] += result.num_rounds
+        return counts.float().to(acc.device)
+
+    @torch.no_grad()
+    def _held_out_window_metrics(self, dataset) -> list[float]:
+        """E[A|y] and the cost-model speedup of windows sampled under the served rule after held-out contexts, and
+        the calibration's figures (main process)."""
+        args, policy = self.args, self.window_policy
+        rows = self._eval_rows(dataset)
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter, _eval_mode(drafter):
             contexts = held_out_contexts(rows["prompt_ids"], rows["response_ids"],
                                          args.calibration_contexts_per_response, args.calibration_max_contexts)
             generator = torch.Generator(next(drafter.parameters()).device).manual_seed(args.seed)
@@ -609,8 +629,6 @@ class PPOWTrainer(GRPOTrainer):
         accepted, lengths = torch.cat(accepted), torch.cat(lengths)
         calibration = policy.calibration or {}
         return [
-            tokens["rule"] / max(rounds["rule"], 1),
-            tokens["fixed"] / max(rounds["fixed"], 1),
             float(accepted.mean()),
             float(overall_speedup(accepted, lengths, self.cost_model)),
             float(calibration.get("predicted_speedup", float("nan"))),

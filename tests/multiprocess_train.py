@@ -1,6 +1,6 @@
 """A few PPOWTrainer steps on tiny models, meant to be launched with several processes.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/multiprocess_train.py OUT_DIR [MAX_STEPS] [--no-use-cpu] [--accumulate]
+    python -m torch.distributed.run --nproc_per_node 2 tests/multiprocess_train.py OUT_DIR [MAX_STEPS] [--no-use-cpu] [--accumulate] [--evaluate]
     accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml tests/multiprocess_train.py OUT_DIR
 
 Every process builds the same tiny target, drafter, tokenizer and response dataset (deterministically,
@@ -22,6 +22,7 @@ from datasets import Dataset  # noqa: E402
 
 from conftest import easy_hard_bigram_table, make_bigram_llama, make_tiny_tokenizer  # noqa: E402
 from ppow_trl.contexts import score_sequences  # noqa: E402
+from ppow_trl.generation import exact_greedy_tau  # noqa: E402
 from ppow_trl.ppow_config import PPOWConfig  # noqa: E402
 from ppow_trl.ppow_trainer import PPOWTrainer  # noqa: E402
 
@@ -54,6 +55,9 @@ def main() -> None:
     # --accumulate: 2 micro-batches per optimizer step (one generation round of 16 rows per process feeds
     # both) and per-token credit, the other path through _generate_and_score_completions.
     accumulate = "--accumulate" in sys.argv[3:]
+    # --evaluate: held-out responses as eval_dataset, one evaluation at the last step (exact greedy tau sharded over
+    # the processes, window calibration on the main process and broadcast).
+    evaluate = "--evaluate" in sys.argv[3:]
     os.makedirs(out_dir, exist_ok=True)
 
     table = easy_hard_bigram_table()
@@ -67,8 +71,11 @@ def main() -> None:
         disable_tqdm=True, selection_refresh_steps=2, selection_refresh_sequences=4, seed=0,
         proximity_weight=PROXIMITY_WEIGHT, use_cpu=use_cpu, **GIVEN_COST,
         **(dict(gradient_accumulation_steps=2, per_token_credit=True) if accumulate else {}),
+        **(dict(eval_strategy="steps", eval_steps=max_steps, eval_max_new_tokens=8,
+                calibration_contexts_per_response=2) if evaluate else {}),
     )
-    trainer = PPOWTrainer(model=drafter, target_model=target, args=args, train_dataset=dataset,
+    held_out = response_dataset(target, seed=5, count=5) if evaluate else None
+    trainer = PPOWTrainer(model=drafter, target_model=target, args=args, train_dataset=dataset, eval_dataset=held_out,
                           processing_class=make_tiny_tokenizer())
 
     # Record, per generation round, the global draw, this process's slice and its rewards.
@@ -129,6 +136,17 @@ def main() -> None:
 
     acc = trainer.accelerator
     final = flat_weights(trainer._unwrapped_drafter())
+    evaluation = None
+    if evaluate:
+        # exact greedy tau over all held-out prompts in this one process, at the rule the evaluation used
+        tokens = rounds = 0
+        for prompt in held_out["prompt_ids"]:
+            result = exact_greedy_tau(trainer.target, trainer._unwrapped_drafter(), torch.tensor([prompt]),
+                                      policy=trainer.window_policy, max_new_tokens=8, vocab_size=trainer.vocab_size)
+            tokens, rounds = tokens + len(result.new_tokens), rounds + result.num_rounds
+        evaluation = {"logged": [h for h in trainer.state.log_history if "eval_tau" in h],
+                      "policy": [trainer.window_policy.max_window, trainer.window_policy.threshold],
+                      "local_tau": tokens / rounds}
     # Files are named by the launcher's RANK, so a process that wrongly believes it is alone does not
     # overwrite the others' report.
     rank = int(os.environ.get("RANK", acc.process_index))
@@ -152,6 +170,7 @@ def main() -> None:
         "selection_probabilities": refreshes,
         "refreshed_scores": refreshed_scores,
         "log_history": trainer.state.log_history,
+        "evaluation": evaluation,
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

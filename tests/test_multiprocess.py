@@ -167,3 +167,17 @@ def test_two_processes_with_gradient_accumulation_and_per_token_credit(tmp_path)
     assert reports[0]["gradient_accumulation_steps"] == 2
     assert len(reports[0]["steps"][0]["candidates"]) == 16
     check_two_process_training(reports)
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_held_out_tau_and_calibrate_alike(tmp_path):
+    """Held-out evaluation with 2 processes: exact greedy tau sharded over them equals one process's computation,
+    and both end with the same calibrated rule and the same logged metrics."""
+    reports = launch(torchrun(), tmp_path, "--evaluate")
+    evaluations = [report["evaluation"] for report in reports]
+    assert evaluations[0]["policy"] == evaluations[1]["policy"]
+    logged = [e["logged"] for e in evaluations]
+    assert len(logged[0]) == 1 and logged[0] == logged[1]
+    assert logged[0][0]["eval_tau"] == pytest.approx(evaluations[0]["local_tau"], rel=1e-6)
+    assert [logged[0][0]["eval_window_max"], logged[0][0]["eval_window_threshold"]] == pytest.approx(
+        evaluations[0]["policy"])
