@@ -103,12 +103,16 @@ def load_json(folder_or_repo, filename: str, missing_hint: str, **hub_kwargs) ->
             raise FileNotFoundError(f"No {filename} in {folder}: {missing_hint}")
         return json.loads(path.read_text())
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     try:
         path = hf_hub_download(str(folder_or_repo), filename, **hub_kwargs)
-    except EntryNotFoundError as error:
-        raise FileNotFoundError(f"No {filename} in the Hub repo {folder_or_repo}: {missing_hint}") from error
+    except (EntryNotFoundError, LocalEntryNotFoundError, HfHubHTTPError, HFValidationError) as error:
+        # A mistyped local folder lands here too: say both readings.
+        raise FileNotFoundError(
+            f"No {filename} for {folder_or_repo!r}: it is not a local folder, and as a Hub repo id it has no such "
+            f"file or could not be reached ({type(error).__name__}). {missing_hint}"
+        ) from error
     return json.loads(Path(path).read_text())
 
 
