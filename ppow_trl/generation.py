@@ -373,8 +373,9 @@ def exact_greedy_tau(
     ``A = min(J, policy.window_lengths(c_{s+1..}), cap)`` with the same cap as the loop, the round
     yields ``x_{s+1..s+A+1}``, and the run ends once the first EOS or ``M`` tokens are covered.
     Confidences are the policy's (``policy.confidence``), as in the loop. ``continuation``: the target's
-    greedy continuation of the prompt when already known (at least ``max_new_tokens`` tokens, not stopped
-    at EOS; e.g. cached by the trainer's evaluation), which saves the target pass; it is trusted as given.
+    greedy continuation of the prompt when already known (``max_new_tokens`` tokens, or fewer ending at an
+    EOS; e.g. cached by the trainer's evaluation or regenerated data), which saves the target pass; it is
+    trusted as given.
     """
     prompt = _check_inputs(input_ids, max_new_tokens, policy)
     vocab = _shared_vocab(target, drafter, vocab_size)
@@ -382,16 +383,19 @@ def exact_greedy_tau(
 
     if continuation is None:
         text = greedy_continuation(target, prompt, max_new_tokens, vocab)
-    elif len(continuation) < max_new_tokens:
-        raise ValueError(f"continuation has {len(continuation)} tokens, max_new_tokens is {max_new_tokens}.")
     else:
         text = [int(t) for t in continuation[:max_new_tokens]]
+        # A text that stops at an EOS is complete: the loop stops there, nothing after it is read.
+        if len(text) < max_new_tokens and not _truncate_at_eos(text, eos)[1]:
+            raise ValueError(f"continuation has {len(text)} tokens and no EOS, max_new_tokens is {max_new_tokens}: "
+                             "give the target's greedy text up to max_new_tokens tokens or its first EOS.")
     generated, _ = _truncate_at_eos(text, eos)
     total = len(generated)
+    text = text[: max(total, 1)] if len(text) < max_new_tokens else text
 
     # teacher-forced drafter: row t predicts text[t] from prompt + text[:t]
-    logits, _ = _forward(drafter, prompt + text[:-1], None, 0, logits_to_keep=max_new_tokens)
-    logits = logits[-max_new_tokens:, :vocab]
+    logits, _ = _forward(drafter, prompt + text[:-1], None, 0, logits_to_keep=len(text))
+    logits = logits[-len(text):, :vocab]
     proposals = logits.argmax(-1)
     confidences = policy.confidence(logits)
     matches = proposals == torch.tensor(text, dtype=torch.long, device=proposals.device)

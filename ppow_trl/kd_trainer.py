@@ -68,6 +68,9 @@ class KDConfig(TrainingArguments):
         temperature (`float`, *optional*, defaults to `1.0`):
             Temperature of the drafter's softmax in the loss, `q = softmax(draft_logits / temperature)`. The
             teacher's cached log-probabilities are at temperature 1.
+        loss (`str`, *optional*, defaults to `"forward_kl"`):
+            Per-position loss: `"forward_kl"` (imitation, `topk_forward_kl`) or `"tv"` (total variation
+            `1 - sum_v min(p, q)`, `topk_total_variation`: maximises the expected acceptance rate directly).
         tail_bucket (`bool`, *optional*, defaults to `True`):
             Whether to add the teacher's mass outside its top-k (and on ids outside the drafter's vocabulary) as
             one extra "rest" class, compared with the drafter's mass outside those ids. If `False`, the teacher's
@@ -101,6 +104,13 @@ class KDConfig(TrainingArguments):
             "help": "Temperature of the drafter's softmax in the loss (the teacher's top-k is at temperature 1)."
         },
     )
+    loss: str = field(
+        default="forward_kl",
+        metadata={
+            "help": "'forward_kl' (imitate the target: KL(p || q)) or 'tv' (maximise the expected acceptance rate "
+            "sum_v min(p, q), the direct acceptance objective)."
+        },
+    )
     tail_bucket: bool = field(
         default=True,
         metadata={
@@ -117,6 +127,8 @@ class KDConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        if self.loss not in ("forward_kl", "tv"):
+            raise ValueError(f"loss must be 'forward_kl' or 'tv', got {self.loss!r}.")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
         if self.max_length is not None and self.max_length < 2:
@@ -278,17 +290,8 @@ def topk_forward_kl(
         temperature: drafter softmax temperature.
         tail_bucket: add the rest class (True) or renormalise the teacher over the kept ids (False).
     """
-    log_q = torch.log_softmax(student_logits.float() / temperature, dim=-1)
-    num_columns = log_q.shape[-1]
-    ids = teacher_ids.long()
-    if id_to_column is None:
-        id_to_column = torch.arange(num_columns, device=ids.device)
-    in_table = (ids >= 0) & (ids < id_to_column.numel())
-    columns = id_to_column[ids.clamp(0, id_to_column.numel() - 1)]
-    log_p_raw = teacher_logprobs.detach().float()
-    # The support S_in: top-k ids the drafter can output, with nonzero teacher probability.
-    inside = in_table & (columns >= 0) & torch.isfinite(log_p_raw)
-    columns = columns.clamp_min(0)
+    log_q, log_p_raw, inside, columns = _teacher_support(student_logits, teacher_ids, teacher_logprobs,
+                                                         id_to_column, temperature)
     log_q_support = torch.where(inside, log_q.gather(-1, columns), torch.zeros_like(log_p_raw))
 
     if tail_bucket:
@@ -315,6 +318,55 @@ def topk_forward_kl(
     return kl.clamp_min(0.0)
 
 
+def _teacher_support(student_logits, teacher_ids, teacher_logprobs, id_to_column, temperature):
+    """``(log_q, log_p, inside, columns)``: the drafter's log-softmax, the teacher's log-probs, the mask of
+    ``S_in`` (top-k ids the drafter can output, with nonzero teacher probability) and their columns."""
+    log_q = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    ids = teacher_ids.long()
+    if id_to_column is None:
+        id_to_column = torch.arange(log_q.shape[-1], device=ids.device)
+    in_table = (ids >= 0) & (ids < id_to_column.numel())
+    columns = id_to_column[ids.clamp(0, id_to_column.numel() - 1)]
+    log_p = teacher_logprobs.detach().float()
+    inside = in_table & (columns >= 0) & torch.isfinite(log_p)
+    return log_q, log_p, inside, columns.clamp_min(0)
+
+
+def topk_total_variation(
+    student_logits: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    id_to_column: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    tail_bucket: bool = True,
+) -> torch.Tensor:
+    """Per-position total variation ``TV = 1 - sum_v min(p_v, q_v)`` from the teacher's top-k. `(...,)`.
+
+    Minimising it maximises the expected acceptance rate of one drafted token, ``sum_v min(p, q)`` (the
+    direct acceptance objective of the LK losses, arXiv 2602.23881), instead of imitating ``p`` everywhere.
+    The overlap is summed over ``S_in`` (module docstring); ``tail_bucket=True`` adds
+    ``min(p_rest, q_rest)`` of the two rest classes, i.e. the TV of the coarse-grained distributions, a
+    lower bound of the true TV that is tight when the teacher's top-k holds its mass. ``tail_bucket=False``
+    counts the overlap on ``S_in`` only: ``1 - sum_{S_in} min(p, q)``, an upper bound of the true TV.
+    Gradients flow through ``q``; ``min`` passes them where ``q < p`` (raise ``q`` where it is short).
+    """
+    log_q, log_p, inside, columns = _teacher_support(student_logits, teacher_ids, teacher_logprobs,
+                                                     id_to_column, temperature)
+    p = torch.where(inside, log_p.exp(), torch.zeros_like(log_p))
+    q = torch.where(inside, log_q.gather(-1, columns).exp(), torch.zeros_like(log_p))
+    overlap = torch.minimum(p, q).sum(dim=-1)
+    if tail_bucket:
+        p_rest = (1.0 - p.sum(dim=-1)).clamp_min(0.0)
+        in_support = torch.zeros_like(log_q).scatter_add_(-1, columns, inside.to(log_q.dtype)) > 0
+        q_rest = torch.logsumexp(log_q.masked_fill(in_support, float("-inf")), dim=-1).exp()
+        overlap = overlap + torch.minimum(p_rest, q_rest)
+    return (1.0 - overlap).clamp(0.0, 1.0)
+
+
+KD_LOSSES = {"forward_kl": topk_forward_kl, "tv": topk_total_variation}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------------------
@@ -336,8 +388,8 @@ class KDTrainer(Trainer):
         peft_config: a PEFT config (e.g. `LoraConfig`): the drafter is wrapped with `get_peft_model` and only the
             adapter is trained and saved.
 
-    Logged metrics (averaged over the logging interval, on response positions): `kd/kl` (per-token loss
-    value, the KL of the module docstring) and `kd/top1_agreement` (share of positions where the drafter's
+    Logged metrics (averaged over the logging interval, on response positions): `kd/kl` or `kd/tv` (per-token
+    loss value: the KL of the module docstring, or the TV with `loss="tv"`) and `kd/top1_agreement` (share of positions where the drafter's
     argmax is the teacher's top-1 id).
     """
 
@@ -396,6 +448,7 @@ class KDTrainer(Trainer):
         )
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._vocab_maps_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.trained_positions = 0  # response positions the loss has seen in training (the study's budget)
 
     def _set_signature_columns_if_needed(self):
         # The collator, not the model, reads the dataset: keep its columns even with remove_unused_columns=True.
@@ -434,7 +487,7 @@ class KDTrainer(Trainer):
         teacher_ids = inputs["teacher_topk_ids"][:, first:last][window]
         teacher_logprobs = inputs["teacher_topk_logprobs"][:, first:last][window]
         column_ids, id_to_column = self._vocab_maps(student.shape[-1], student.device)
-        kl = topk_forward_kl(
+        kl = KD_LOSSES[self.args.loss](
             student,
             teacher_ids,
             teacher_logprobs,
@@ -461,7 +514,10 @@ class KDTrainer(Trainer):
             stats = self.accelerator.gather(stats).reshape(-1, 3).sum(dim=0)
             if stats[2] > 0:
                 mode = "train" if model.training else "eval"
-                self._metrics[mode]["kd/kl"].append((stats[0] / stats[2]).item())
+                name = "kd/kl" if self.args.loss == "forward_kl" else "kd/tv"
+                self._metrics[mode][name].append((stats[0] / stats[2]).item())
+                if model.training:
+                    self.trained_positions += int(stats[2])  # response positions trained on, all processes
                 self._metrics[mode]["kd/top1_agreement"].append((stats[1] / stats[2]).item())
         return (loss, outputs) if return_outputs else loss
 

@@ -161,6 +161,7 @@ class PPOWTrainer(GRPOTrainer):
         self._cost_model = cost_model
         self._cost_model_measured = False  # measured here (not given): re-measured after prepare if taken before
         self._greedy_continuations: dict[tuple, list[int]] = {}  # eval prompts -> the target's greedy text
+        self.trained_window_tokens = 0  # drafted tokens the loss has trained on (this process; a budget measure)
         self.context_selector = ContextSelector(
             self.context_pool.lengths, beta=args.selection_beta, eps=args.selection_eps,
             uniform_share=args.selection_uniform_share, seed=args.seed,
@@ -389,6 +390,8 @@ class PPOWTrainer(GRPOTrainer):
                 self._refresh_selection_scores()
             inputs = self._select_contexts(inputs)
         output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.trained_window_tokens += int(output["completion_mask"].sum())
         if self.args.per_token_credit != "none" and self.model.training:
             width = output["completion_ids"].shape[1]
             credit = torch.zeros(len(inputs), width, device=output["completion_ids"].device)

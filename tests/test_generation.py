@@ -167,6 +167,29 @@ def test_exact_greedy_tau_equals_live_loop():
         assert exact.acceptance_histogram() == live.acceptance_histogram()
 
 
+def test_exact_greedy_tau_from_a_text_stopped_at_eos_equals_live_loop():
+    """Regenerated data stops at EOS: that text (shorter than max_new_tokens) gives the live loop's rounds."""
+    target, drafter = make_pair(seed=2)
+    g = torch.Generator().manual_seed(12)
+    checked = 0
+    for _ in range(40):
+        prompt = random_prompt(g)
+        policy = AdaptiveWindowPolicy(max_window=int(torch.randint(1, 7, (1,), generator=g)),
+                                      threshold=float(torch.rand((), generator=g)) ** 2)
+        kwargs = dict(policy=policy, max_new_tokens=24, eos_token_id=EOS)
+        live = speculative_generate(target, drafter, prompt, **kwargs)
+        if live.new_tokens[-1] != EOS or len(live.new_tokens) == 24:
+            continue
+        checked += 1
+        exact = exact_greedy_tau(target, drafter, prompt, continuation=live.new_tokens, **kwargs)
+        assert exact.new_tokens == live.new_tokens
+        assert exact.tokens_per_round == live.tokens_per_round and exact.tau == live.tau
+    assert checked >= 5  # the boosted EOS row makes early stops common
+    with pytest.raises(ValueError, match="no EOS"):
+        exact_greedy_tau(target, drafter, random_prompt(g), continuation=[5, 6], policy=AdaptiveWindowPolicy(3),
+                         max_new_tokens=24, eos_token_id=EOS)
+
+
 def bigram_pair(vocab=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     target = make_bigram_llama(torch.randn(vocab, vocab, generator=g) * 1.2)

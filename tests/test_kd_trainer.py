@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, set_seed
 
 from ppow_trl.data import build_target_responses, compute_target_topk
 from ppow_trl.drafter import PPOWDrafterForCausalLM
-from ppow_trl.kd_trainer import DataCollatorForKD, KDConfig, KDTrainer, topk_forward_kl
+from ppow_trl.kd_trainer import DataCollatorForKD, KDConfig, KDTrainer, topk_forward_kl, topk_total_variation
 from ppow_trl.models import build_draft_vocab, make_drafter
 
 VOCAB = 64
@@ -296,3 +296,47 @@ def test_dataset_without_topk_columns_is_rejected(setup, tmp_path):
         DataCollatorForKD()([setup["responses"][0]])
     with pytest.raises(ValueError, match="temperature"):
         _config(tmp_path, temperature=0.0)
+
+
+# ------------------------------------------------------------------------------------------- TV (direct acceptance)
+
+
+def test_topk_total_variation_matches_brute_force():
+    """Full top-k: 1 - sum_v min(p, q) exactly; truncated top-k with the rest class: the coarse-grained TV."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 10, generator=g) * 2
+    p = torch.softmax(torch.randn(5, 10, generator=g) * 2, -1)
+    q = torch.softmax(logits.double(), -1)
+    logp, ids = p.log().sort(-1, descending=True)
+    full = topk_total_variation(logits, ids, logp)
+    assert torch.allclose(full.double(), 1 - torch.minimum(p.double(), q).sum(-1), atol=1e-6)
+    k = 3
+    top, rest = ids[:, :k], ids[:, k:]
+    p_top, q_top = p.double().gather(-1, top), q.gather(-1, top)
+    coarse = 1 - torch.minimum(p_top, q_top).sum(-1) - torch.minimum(1 - p_top.sum(-1), q.gather(-1, rest).sum(-1))
+    assert torch.allclose(topk_total_variation(logits, top, logp[:, :k]).double(), coarse, atol=1e-6)
+    no_tail = topk_total_variation(logits, top, logp[:, :k], tail_bucket=False).double()
+    assert torch.allclose(no_tail, 1 - torch.minimum(p_top, q_top).sum(-1), atol=1e-6)
+    # Lower and upper bounds of the true TV.
+    true_tv = 1 - torch.minimum(p.double(), q).sum(-1)
+    assert (coarse <= true_tv + 1e-9).all() and (no_tail >= true_tv - 1e-6).all()
+    # A reduced head: ids the drafter cannot output have q = 0.
+    id_to_column = torch.tensor([0, 1, 2, 3, 4, -1, -1, -1, -1, -1])
+    reduced = topk_total_variation(logits[:, :5], ids, logp, id_to_column)
+    q5 = torch.softmax(logits[:, :5].double(), -1)
+    expected = 1 - torch.minimum(p.double()[:, :5], q5).sum(-1)
+    assert torch.allclose(reduced.double(), expected, atol=1e-6)
+
+
+def test_tv_training_raises_the_acceptance_rate(setup, tmp_path):
+    """loss='tv' lowers the held-out TV (the one-token rejection rate) and logs kd/tv."""
+    set_seed(0)
+    drafter = make_drafter(setup["target"], num_layers=1)
+    trainer = _trainer(drafter, setup, tmp_path, max_steps=40, loss="tv", dataset="full")
+    before = trainer.evaluate(eval_dataset=setup["full"])["eval_kd/tv"]
+    trainer.train()
+    after = trainer.evaluate(eval_dataset=setup["full"])["eval_kd/tv"]
+    assert after < 0.6 * before
+    assert trainer.trained_positions == sum(len(r) for r in setup["full"]["response_ids"]) * 40 // 2
+    with pytest.raises(ValueError, match="loss must be"):
+        _config(tmp_path, loss="kl")

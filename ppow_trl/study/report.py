@@ -1,0 +1,224 @@
+"""The study's write-up: tables and plots generated from ``benchmarks/results/study/arms/*.json``.
+
+``write_report(results)`` writes ``<results>/summary.json`` (every figure of the tables), three plots, and
+replaces the part of ``BENCHMARKS.md`` between ``<!-- study:begin -->`` and ``<!-- study:end -->``, so the
+section is never edited by hand. Intervals are 95% percentile bootstraps over prompts (``evaluate``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .arms import ORDER, WARM
+from .evaluate import paired_ratio_interval, summarize
+
+BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
+BASELINE = "kd"
+TEST_SETS = {"mtbench": "MT-bench (80)", "sharegpt_test": "ShareGPT held out (200)"}
+ARM_ORDER = [WARM] + ORDER
+
+
+def load_arms(results: Path) -> dict[str, dict]:
+    arms = {}
+    for name in ARM_ORDER:
+        path = Path(results) / "arms" / f"{name}.json"
+        if path.is_file():
+            arms[name] = json.loads(path.read_text())
+    return arms
+
+
+def summarize_arms(arms: dict[str, dict]) -> dict:
+    """Per arm: greedy summaries (policy, fixed K) per test set, T = 1 summaries, ratios to KD with intervals."""
+    out = {}
+    base = arms.get(BASELINE)
+    for name, arm in arms.items():
+        row = {"description": arm["description"], "budget": arm["budget"], "policy": arm["policy"],
+               "drafter_cost": arm["cost_model"]["drafter_cost"], "greedy": {}, "sampling": {}}
+        for test, by_policy in arm["evaluation"]["greedy"].items():
+            row["greedy"][test] = {}
+            for key, records in by_policy.items():
+                entry = summarize(records)
+                if base is not None:
+                    reference = base["evaluation"]["greedy"][test][key]
+                    entry["ratio_to_kd"] = {
+                        "expected_accepted": paired_ratio_interval(records, reference, "accepted"),
+                        "tau": paired_ratio_interval(records, reference, "tokens")}
+                row["greedy"][test][key] = entry
+        for test, by_policy in arm["evaluation"]["sampling"].items():
+            row["sampling"][test] = {}
+            for key, records in by_policy.items():
+                entry = summarize(records)
+                if base is not None:
+                    reference = base["evaluation"]["sampling"][test][key]
+                    entry["ratio_to_kd"] = {"expected_accepted": paired_ratio_interval(records, reference, "accepted")}
+                row["sampling"][test][key] = entry
+        calibration = arm["policy"].get("calibration") or {}
+        row["predicted_speedup"] = calibration.get("predicted_speedup")
+        out[name] = row
+    return out
+
+
+def _ci(values, digits=2) -> str:
+    return f"[{values[0]:.{digits}f}, {values[1]:.{digits}f}]"
+
+
+def _ratio(entry, key="expected_accepted") -> str:
+    ratio = entry.get("ratio_to_kd", {}).get(key)
+    if ratio is None or ratio["ratio"] is None:
+        return "-"
+    return f"{ratio['ratio']:.2f} {_ci(ratio['ci'])}"
+
+
+def _budget(budget: dict) -> str:
+    seconds = budget.get("train_step_seconds") or budget.get("train_seconds")
+    items = [f"{seconds:.0f} s" if seconds is not None else "", f"{budget.get('optimizer_steps', 0)} steps"]
+    if "trained_positions" in budget:
+        items.append(f"{budget['trained_positions'] / 1000:.0f}k positions")
+    if "trained_window_tokens" in budget:
+        items.append(f"{budget['trained_window_tokens'] / 1000:.1f}k window tokens")
+    return ", ".join(i for i in items if i)
+
+
+def format_tables(summary: dict, wallclock: dict | None) -> str:
+    lines = []
+    for test, title in TEST_SETS.items():
+        lines += [f"**{title}, greedy, 128 new tokens, exact tau** (E[A] = accepted drafted tokens per round; "
+                  "tau = E[A] + 1 per round, EOS rounds included; ratios paired over prompts)", "",
+                  "| arm | policy (K, h) | tau at policy [95% CI] | E[A] at policy | E[A] / KD at policy | "
+                  "E[A] at fixed K=4 | E[A] / KD at K=4 |", "|---|---|---|---|---|---|---|"]
+        for name, row in summary.items():
+            greedy = row["greedy"].get(test)
+            if not greedy:
+                continue
+            policy, fixed = greedy["policy"], greedy["fixed_k"]
+            lines.append(
+                f"| {name} | ({row['policy']['max_window']}, {row['policy']['threshold']:.2f}) | {policy['tau']:.3f} "
+                f"{_ci(policy['tau_ci'], 3)} | {policy['expected_accepted']:.3f} | {_ratio(policy)} | "
+                f"{fixed['expected_accepted']:.3f} {_ci(fixed['expected_accepted_ci'], 3)} | {_ratio(fixed)} |")
+        lines.append("")
+    lines += ["**MT-bench, sampling T = 1** (one window sampled per prompt after a third of its response; "
+              "E[A|y] in closed form from the target's p; tau = E[A] + 1)", "",
+              "| arm | tau at policy [95% CI] | E[A] / KD at policy | tau at fixed K=4 | E[A] / KD at K=4 | "
+              "t_d/t_t | predicted speedup (calibration) | training budget |", "|---|---|---|---|---|---|---|---|"]
+    for name, row in summary.items():
+        sampling = row["sampling"].get("mtbench")
+        if not sampling:
+            continue
+        policy, fixed = sampling["policy"], sampling["fixed_k"]
+        predicted = row["predicted_speedup"]
+        lines.append(f"| {name} | {policy['tau']:.3f} {_ci(policy['tau_ci'], 3)} | {_ratio(policy)} | "
+                     f"{fixed['tau']:.3f} {_ci(fixed['tau_ci'], 3)} | {_ratio(fixed)} | {row['drafter_cost']:.3f} | "
+                     f"{'-' if predicted is None else f'{predicted:.2f}x'} | {_budget(row['budget'])} |")
+    lines.append("")
+    if wallclock:
+        lines += ["**Wall-clock** (`ppow_trl.bench`, 8 MT-bench prompts, 64 new tokens, greedy, interleaved "
+                  "prompt by prompt, 1 thread; speedup = median over prompts of tokens/s ratio to the target)", "",
+                  "| method | drafter | tau | speedup median [p25, p75] | lossless |", "|---|---|---|---|---|"]
+        for row in wallclock["summary"]:
+            lines.append(f"| {row['method']} | {row.get('drafter') or '-'} | {row['tau']:.2f} | "
+                         f"{row['speedup_median']:.2f} [{row['speedup_p25']:.2f}, {row['speedup_p75']:.2f}] | "
+                         f"{row['lossless_prompts']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_curves(arms: dict, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, arm in arms.items():
+        if name == WARM or not arm.get("curve"):
+            continue
+        xs = [row["train_seconds"] / 60 for row in arm["curve"]]
+        ys = [row["held_out_tau_fixed_k"] for row in arm["curve"]]
+        axis.plot(xs, ys, marker="o", markersize=3, label=name, linestyle="-" if name.startswith("kd") else "--")
+    axis.set_xlabel("training time (minutes of optimizer steps; PPOW arms start from KD at the warm-start point)")
+    axis.set_ylabel("held-out greedy tau, fixed K = 4")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def plot_acceptance(summary: dict, path: Path, arms=("kd_warm", "kd", "kd_tv", "ppow")) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(name, summary[name]["greedy"]["mtbench"]["fixed_k"]) for name in arms if name in summary]
+    if not rows:
+        return None
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(rows)
+    for i, (name, entry) in enumerate(rows):
+        histogram = entry["histogram"]
+        total = max(sum(histogram), 1)
+        offset = (i - (len(rows) - 1) / 2) * width
+        axes[0].bar([a + offset for a in range(len(histogram))], [c / total for c in histogram], width=width, label=name)
+        axes[1].plot(range(1, len(entry["p_accept_at_least"]) + 1), entry["p_accept_at_least"], marker="o", label=name)
+    axes[0].set_xlabel("accepted tokens A per round (MT-bench greedy, fixed K = 4)")
+    axes[0].set_ylabel("fraction of rounds")
+    axes[1].set_xlabel("position k in the window")
+    axes[1].set_ylabel("P(A >= k)")
+    axes[1].set_yscale("log")
+    for axis in axes:
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def write_report(results: Path, benchmarks_md: Path = Path("BENCHMARKS.md"), reading: str | None = None) -> dict:
+    """Summaries, plots and the BENCHMARKS.md section from the arms' JSON; returns the summary."""
+    results = Path(results)
+    arms = load_arms(results)
+    if not arms:
+        raise FileNotFoundError(f"No arm results under {results}/arms: run `python benchmarks/study.py` first.")
+    summary = summarize_arms(arms)
+    wallclock_path = results / "wallclock.json"
+    wallclock = json.loads(wallclock_path.read_text()) if wallclock_path.is_file() else None
+    (results / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_curves(arms, results / "tau_over_training.png")
+    plot_acceptance(summary, results / "acceptance.png")
+    reading_path = results / "reading.md"
+    reading = reading if reading is not None else (reading_path.read_text() if reading_path.is_file() else "")
+    config = next(iter(arms.values()))["config"]
+    machine = next(iter(arms.values()))["machine"]
+    section = "\n".join([
+        BEGIN,
+        "## The study: PPOW vs token-level distillation at equal budget (`benchmarks/study.py`)",
+        "",
+        "Generated by `python benchmarks/study.py --report-only` from `benchmarks/results/study/` (do not edit by "
+        "hand). Command of the whole study: `python benchmarks/study.py` (resumable). "
+        f"Target SmolLM2-135M-Instruct, fp32, {machine['threads']} torch thread per arm, 2 arms at once, "
+        f"{machine['platform']}, torch {machine['torch']}. Drafter: the target's first {config['drafter_layers']} "
+        f"layers with a {config['draft_vocab_size']}-token head; every arm from the same initialisation, on the "
+        f"same {config['data']['num_train_prompts']} target-regenerated ShareGPT responses (greedy, "
+        f"<= {config['data']['train_max_new_tokens']} tokens; the last {config['data']['num_calibration']} held out "
+        f"for calibration and the curve), budget {config['budget_seconds']:.0f} s of optimizer-step time per arm "
+        f"(PPOW arms: KD for {config['warm_seconds']:.0f} s, then PPOW). Arms and their settings: "
+        "`ppow_trl/study/arms.py`, `ppow_trl/study/runner.py`.",
+        "",
+        format_tables(summary, wallclock),
+        "![held-out tau over training](benchmarks/results/study/tau_over_training.png)",
+        "",
+        "![acceptance histograms and per-position acceptance](benchmarks/results/study/acceptance.png)",
+        "",
+        reading,
+        END,
+    ])
+    if benchmarks_md is not None:
+        text = Path(benchmarks_md).read_text() if Path(benchmarks_md).is_file() else "# Benchmarks\n"
+        if BEGIN in text and END in text:
+            text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+        else:
+            text = text.rstrip("\n") + "\n\n" + section + "\n"
+        Path(benchmarks_md).write_text(text)
+    return summary
