@@ -38,9 +38,9 @@ class StudyConfig:
     data: StudyData = field(default_factory=StudyData)
     drafter_layers: int = 2
     draft_vocab_size: int = 8192
-    budget_seconds: float = 600.0
-    warm_seconds: float = 300.0
-    probe_every_seconds: float = 60.0
+    budget_seconds: float = 900.0
+    warm_seconds: float = 450.0
+    probe_every_seconds: float = 90.0
     probe_max_window: int = 4
     eval_max_window: int = 4  # the fixed K every arm is also evaluated at
     max_window: int = 6  # K of the rollouts and of the calibration search
@@ -205,15 +205,17 @@ def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_voc
 
     topk = train_topk(target, train, config.data)
     drafter = make_drafter(target, num_layers=config.drafter_layers, draft_vocab_ids=draft_vocab).train()
-    milestones = {}
+    milestones, holder = {}, {}
     if arm.name == "kd":
-        def save_warm(model, trainer_ref=[]):  # noqa: B006 - filled below, once the trainer exists
-            trainer = trainer_ref[0]
+        def save_warm(model):
+            """The warm start of the PPOW arms: this arm's drafter after ``warm_seconds`` of training."""
             folder = work / WARM
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
-            _write(folder / "warm_start.json", {"train_seconds": budget.elapsed, "optimizer_steps": trainer.state.global_step,
-                                                "trained_positions": trainer.trained_positions})
+            _write(folder / "warm_start.json", {"train_seconds": budget.elapsed,
+                                                "optimizer_steps": holder["trainer"].state.global_step,
+                                                "trained_positions": holder["trainer"].trained_positions,
+                                                "config": config.to_dict()})
         milestones[config.warm_seconds] = save_warm
     budget = TrainingBudget(config.budget_seconds, probe=probe, probe_every=config.probe_every_seconds,
                             milestones=milestones)
@@ -221,9 +223,8 @@ def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_voc
                     per_device_train_batch_size=config.kd_batch_size, learning_rate=config.kd_learning_rate,
                     lr_scheduler_type="constant_with_warmup", warmup_steps=20, logging_steps=50, save_strategy="no",
                     report_to="none", disable_tqdm=True, max_length=640, seed=config.seed, use_cpu=True)
-    trainer = KDTrainer(model=drafter, args=args, train_dataset=topk, processing_class=tokenizer, callbacks=[budget])
-    if milestones:
-        save_warm.__defaults__[0].append(trainer)
+    trainer = holder["trainer"] = KDTrainer(model=drafter, args=args, train_dataset=topk, processing_class=tokenizer,
+                                            callbacks=[budget])
     trainer.train()
     return trainer.model.eval(), budget, trainer
 
@@ -240,6 +241,8 @@ def _train_ppow(arm: Arm, config: StudyConfig, target, tokenizer, train, calibra
     warm = work / WARM
     if not (warm / "warm_start.json").is_file():
         raise FileNotFoundError(f"{warm} has no warm start: run the 'kd' arm first (it saves it).")
+    if json.loads((warm / "warm_start.json").read_text()).get("config") != json.loads(json.dumps(config.to_dict())):
+        raise ValueError(f"{warm} was trained under another study config: rerun the 'kd' arm first.")
     drafter = load_target(str(warm)).train()
     settings = dict(output_dir=str(work / "trainer" / arm.name), max_window=config.max_window,
                     window_threshold=config.window_threshold, num_generations=config.num_generations,
@@ -280,9 +283,15 @@ def _result(name, description, config, threads, budget, trained, policy, cost, e
                    "confidence_temperature": policy.confidence_temperature, "calibration": policy.calibration},
         "cost_model": {"drafter_cost": cost.drafter_cost, "verify_cost": list(cost.verify_cost)},
         "evaluation": evaluation, "train_log": log,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": threads,
-                    "precision": "fp32", "cpu_count": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "threads": threads, "precision": "fp32",
+                    "cpu_count": os.cpu_count(), **_versions()},
     }
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("torch", "transformers", "trl", "peft", "accelerate")}
 
 
 def _write(path: Path, data: dict) -> None:
@@ -310,6 +319,8 @@ def run_arms(names: list[str], config: StudyConfig, jobs: int, results: Path = R
     todo = [n for n in ORDER if n in names and not finished(n, config, results)]
     budgets = {n: config.budget_seconds if ARMS[n].kind == "kd" else config.budget_seconds - config.warm_seconds
                for n in todo}
+    if "kd" in todo:  # the warm start is rebuilt with the KD arm: never start a PPOW arm from an old one
+        (work / WARM / "warm_start.json").unlink(missing_ok=True)
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     logs = results / "logs"
     logs.mkdir(parents=True, exist_ok=True)
