@@ -46,9 +46,12 @@ ARMS = {arm.name: arm for arm in [
     # verification (A, and R_prox against the target's one-hot argmax) of windows still sampled at T = 1.
     Arm("ppow_greedy", "ppow", "PPOW with greedy-verification rewards (the served regime)",
         ppow={"acceptance": "greedy"}),
+    # The full method again under another seed (LoRA init, window sampling, selection): the seed-to-seed spread
+    # that an ablation's effect has to exceed.
+    Arm("ppow_seed1", "ppow", "KD warm start, then PPOW (full), seed 1", ppow={"seed": 1}),
 ]}
 # Evaluated, not trained: the KD arm's state at the warm-start point.
 WARM = "kd_warm"
 # The order arms run in: the two KD arms first (the warm start comes from `kd`), then PPOW and its ablations.
 ORDER = ["kd", "kd_tv", "ppow", "ppow_greedy", "ppow_no_cost", "ppow_no_prox", "ppow_uniform", "ppow_fixed_k",
-         "ppow_per_token"]
+         "ppow_per_token", "ppow_seed1"]

@@ -15,7 +15,7 @@ from .evaluate import paired_ratio_interval, summarize
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 BASELINE = "kd"
-TEST_SETS = {"mtbench": "MT-bench (80)", "sharegpt_test": "ShareGPT held out (200)"}
+TEST_SETS = {"mtbench": "MT-bench first turns", "sharegpt_test": "held-out ShareGPT prompts (test split, <= 512 tokens)"}
 ARM_ORDER = [WARM] + ORDER
 
 
@@ -70,7 +70,9 @@ def _ratio(entry, key="expected_accepted") -> str:
     return f"{ratio['ratio']:.2f} {_ci(ratio['ci'])}"
 
 
-def _budget(budget: dict) -> str:
+def _budget(budget: dict, warm: dict | None = None) -> str:
+    if warm is not None:  # a PPOW arm: the KD warm start's budget, then its own
+        return f"KD {_budget(warm)} + PPOW {_budget(budget)}"
     seconds = budget.get("train_step_seconds") or budget.get("train_seconds")
     items = [f"{seconds:.0f} s" if seconds is not None else "", f"{budget.get('optimizer_steps', 0)} steps"]
     if "trained_positions" in budget:
@@ -83,7 +85,8 @@ def _budget(budget: dict) -> str:
 def format_tables(summary: dict, wallclock: dict | None) -> str:
     lines = []
     for test, title in TEST_SETS.items():
-        lines += [f"**{title}, greedy, 128 new tokens, exact tau** (E[A] = accepted drafted tokens per round; "
+        prompts = next((row["greedy"][test]["policy"]["prompts"] for row in summary.values() if test in row["greedy"]), 0)
+        lines += [f"**{prompts} {title}, greedy, 128 new tokens, exact tau** (E[A] = accepted drafted tokens per round; "
                   "tau = E[A] + 1 per round, EOS rounds included; ratios paired over prompts)", "",
                   "| arm | policy (K, h) | tau at policy [95% CI] | E[A] at policy | E[A] / KD at policy | "
                   "E[A] at fixed K=4 | E[A] / KD at K=4 |", "|---|---|---|---|---|---|---|"]
@@ -107,9 +110,10 @@ def format_tables(summary: dict, wallclock: dict | None) -> str:
             continue
         policy, fixed = sampling["policy"], sampling["fixed_k"]
         predicted = row["predicted_speedup"]
+        warm = summary[WARM]["budget"] if name.startswith("ppow") and WARM in summary else None
         lines.append(f"| {name} | {policy['tau']:.3f} {_ci(policy['tau_ci'], 3)} | {_ratio(policy)} | "
                      f"{fixed['tau']:.3f} {_ci(fixed['tau_ci'], 3)} | {_ratio(fixed)} | {row['drafter_cost']:.3f} | "
-                     f"{'-' if predicted is None else f'{predicted:.2f}x'} | {_budget(row['budget'])} |")
+                     f"{'-' if predicted is None else f'{predicted:.2f}x'} | {_budget(row['budget'], warm)} |")
     lines.append("")
     if wallclock:
         lines += ["**Wall-clock** (`ppow_trl.bench`, 8 MT-bench prompts, 64 new tokens, greedy, interleaved "
