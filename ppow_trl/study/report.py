@@ -204,10 +204,10 @@ def write_report(results: Path, benchmarks_md: Path = Path("BENCHMARKS.md"), rea
         "hand). Command of the whole study: `python benchmarks/study.py` (resumable). "
         f"Target SmolLM2-135M-Instruct, fp32, {machine['threads']} torch thread per arm, 2 arms at once, "
         f"{machine['platform']}, " + ", ".join(f"{k} {machine[k]}" for k in ("torch", "transformers", "trl", "peft")
-                                      if k in machine) + ". Drafter: the target's first {config['drafter_layers']} "
+                                      if k in machine) + f". Drafter: the target's first {config['drafter_layers']} "
         f"layers with a {config['draft_vocab_size']}-token head; every arm from the same initialisation, on the "
-        f"same {config['data']['num_train_prompts']} target-regenerated ShareGPT responses (greedy, "
-        f"<= {config['data']['train_max_new_tokens']} tokens; the last {config['data']['num_calibration']} held out "
+        f"same target-regenerated responses to {config['data']['num_train_prompts']} ShareGPT train prompts (those "
+        f"under 512 prompt tokens; greedy, <= {config['data']['train_max_new_tokens']} tokens; the last {config['data']['num_calibration']} held out "
         f"for calibration and the curve), budget {config['budget_seconds']:.0f} s of optimizer-step time per arm "
         f"(PPOW arms: KD for {config['warm_seconds']:.0f} s, then PPOW). Arms and their settings: "
         "`ppow_trl/study/arms.py`, `ppow_trl/study/runner.py`.",
