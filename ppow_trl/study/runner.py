@@ -22,8 +22,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from .arms import ARMS, ORDER, WARM, Arm
 from .data import StudyData
 
@@ -140,11 +138,8 @@ def run_arm(name: str, config: StudyConfig, results: Path = RESULTS, work: Path 
     from transformers import set_seed
 
     from ..assisted import save_assistant
-    from ..calibration import calibrate_policy, held_out_contexts
-    from ..cost import calibrate_cost_model
     from ..data import stop_token_ids
     from ..utils import set_cpu_threads
-    from .budget import TrainingBudget
 
     threads = set_cpu_threads()
     arm = ARMS[name]
@@ -157,10 +152,7 @@ def run_arm(name: str, config: StudyConfig, results: Path = RESULTS, work: Path 
 
     if arm.kind == "kd":
         drafter, budget, trainer = _train_kd(arm, config, target, tokenizer, train, draft_vocab, probe, work)
-        cost = calibrate_cost_model(target, drafter, config.max_window, repeats=9)
-        contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4)
-        policy, _ = calibrate_policy(target, drafter, contexts, cost, max_window=config.max_window, regime="greedy",
-                                     vocab_size=vocab, pad_id=tokenizer.pad_token_id)
+        cost, policy = _cost_and_policy(target, tokenizer, drafter, calibration, config)
         trained = {"optimizer_steps": trainer.state.global_step, "trained_positions": trainer.trained_positions}
     else:
         drafter, budget, trainer = _train_ppow(arm, config, target, tokenizer, train, calibration, probe, work)
@@ -176,17 +168,25 @@ def run_arm(name: str, config: StudyConfig, results: Path = RESULTS, work: Path 
     return result
 
 
-def _evaluate_warm(target, tokenizer, calibration, tests, config, eos, threads, results, work, budget) -> None:
-    """The KD arm's state at the warm-start point, evaluated like an arm (the start of every PPOW arm)."""
+def _cost_and_policy(target, tokenizer, drafter, calibration, config: StudyConfig):
+    """A KD drafter's measured cost model and its greedy window rule calibrated on the held-out responses (as
+    PPOWTrainer does at the end of train(): 4 contexts per response)."""
     from ..calibration import calibrate_policy, held_out_contexts
     from ..cost import calibrate_cost_model
-    from ..models import load_target
 
-    drafter = load_target(str(work / WARM))
     cost = calibrate_cost_model(target, drafter, config.max_window, repeats=9)
     contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4)
     policy, _ = calibrate_policy(target, drafter, contexts, cost, max_window=config.max_window, regime="greedy",
                                  vocab_size=len(tokenizer), pad_id=tokenizer.pad_token_id)
+    return cost, policy
+
+
+def _evaluate_warm(target, tokenizer, calibration, tests, config, eos, threads, results, work, budget) -> None:
+    """The KD arm's state at the warm-start point, evaluated like an arm (the start of every PPOW arm)."""
+    from ..models import load_target
+
+    drafter = load_target(str(work / WARM))
+    cost, policy = _cost_and_policy(target, tokenizer, drafter, calibration, config)
     warm = json.loads((work / WARM / "warm_start.json").read_text())
     history = [row for row in budget.history if row["train_seconds"] <= config.warm_seconds + 60]
     result = _result(WARM, "KD state at the warm-start point (start of every PPOW arm)", config, threads,
