@@ -72,11 +72,8 @@ def ratio_of_sums(records: list[dict], numerator: str, denominator: str = "round
 def bootstrap_interval(records: list[dict], numerator: str, denominator: str = "rounds", *, plus: float = 0.0,
                        samples: int = 2000, seed: int = 0, level: float = 0.95) -> list[float]:
     """Percentile bootstrap interval over prompts of ``sum num / sum den + plus``."""
-    num = torch.tensor([float(r[numerator]) for r in records], dtype=torch.float64)
-    den = torch.tensor([float(r[denominator]) for r in records], dtype=torch.float64)
     index = torch.randint(len(records), (samples, len(records)), generator=torch.Generator().manual_seed(seed))
-    values = num[index].sum(-1) / den[index].sum(-1).clamp_min(1) + plus
-    return _percentiles(values, level)
+    return _percentiles(_resampled(records, index, numerator, denominator) + plus, level)
 
 
 def paired_ratio_interval(arm: list[dict], baseline: list[dict], numerator: str, denominator: str = "rounds", *,
@@ -87,20 +84,22 @@ def paired_ratio_interval(arm: list[dict], baseline: list[dict], numerator: str,
     """
     if len(arm) != len(baseline):
         raise ValueError(f"Paired intervals need the same prompts: {len(arm)} vs {len(baseline)} records.")
-    stats = []
-    for records in (arm, baseline):
-        stats.append((torch.tensor([float(r[numerator]) for r in records], dtype=torch.float64),
-                      torch.tensor([float(r[denominator]) for r in records], dtype=torch.float64)))
     index = torch.randint(len(arm), (samples, len(arm)), generator=torch.Generator().manual_seed(seed))
-    (na, da), (nb, db) = stats
-    a = na[index].sum(-1) / da[index].sum(-1).clamp_min(1) + plus
-    b = nb[index].sum(-1) / db[index].sum(-1).clamp_min(1) + plus
+    a = _resampled(arm, index, numerator, denominator) + plus
+    b = _resampled(baseline, index, numerator, denominator) + plus
     reference = ratio_of_sums(baseline, numerator, denominator) + plus
     if reference == 0:  # nothing accepted by the baseline: no ratio to report
         return {"ratio": None, "ci": None, "p_ratio_above_1": None}
     point = (ratio_of_sums(arm, numerator, denominator) + plus) / reference
     ratios = a / b.clamp_min(1e-12)
     return {"ratio": point, "ci": _percentiles(ratios, level), "p_ratio_above_1": float((ratios > 1).double().mean())}
+
+
+def _resampled(records: list[dict], index: torch.Tensor, numerator: str, denominator: str) -> torch.Tensor:
+    """``sum num / sum den`` of each bootstrap sample (rows of ``index``: prompt indices drawn with replacement)."""
+    num = torch.tensor([float(r[numerator]) for r in records], dtype=torch.float64)
+    den = torch.tensor([float(r[denominator]) for r in records], dtype=torch.float64)
+    return num[index].sum(-1) / den[index].sum(-1).clamp_min(1)
 
 
 def _percentiles(values: torch.Tensor, level: float) -> list[float]:

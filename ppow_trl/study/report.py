@@ -17,6 +17,7 @@ BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 BASELINE = "kd"
 TEST_SETS = {"mtbench": "MT-bench first turns", "sharegpt_test": "held-out ShareGPT prompts (test split, <= 512 tokens)"}
 ARM_ORDER = [WARM] + ORDER
+RATIO_NAMES = {"accepted": "expected_accepted", "tokens": "tau"}
 
 
 def load_arms(results: Path) -> dict[str, dict]:
@@ -34,25 +35,19 @@ def summarize_arms(arms: dict[str, dict]) -> dict:
     base = arms.get(BASELINE)
     for name, arm in arms.items():
         row = {"description": arm["description"], "budget": arm["budget"], "policy": arm["policy"],
-               "drafter_cost": arm["cost_model"]["drafter_cost"], "greedy": {}, "sampling": {}}
-        for test, by_policy in arm["evaluation"]["greedy"].items():
-            row["greedy"][test] = {}
-            for key, records in by_policy.items():
-                entry = summarize(records)
-                if base is not None:
-                    reference = base["evaluation"]["greedy"][test][key]
-                    entry["ratio_to_kd"] = {
-                        "expected_accepted": paired_ratio_interval(records, reference, "accepted"),
-                        "tau": paired_ratio_interval(records, reference, "tokens")}
-                row["greedy"][test][key] = entry
-        for test, by_policy in arm["evaluation"]["sampling"].items():
-            row["sampling"][test] = {}
-            for key, records in by_policy.items():
-                entry = summarize(records)
-                if base is not None:
-                    reference = base["evaluation"]["sampling"][test][key]
-                    entry["ratio_to_kd"] = {"expected_accepted": paired_ratio_interval(records, reference, "accepted")}
-                row["sampling"][test][key] = entry
+               "drafter_cost": arm["cost_model"]["drafter_cost"]}
+        # Greedy records carry tokens (tau is exact); T = 1 records only E[A|y] (tau = E[A] + 1, same ratio terms).
+        for regime, numerators in (("greedy", ("accepted", "tokens")), ("sampling", ("accepted",))):
+            row[regime] = {}
+            for test, by_policy in arm["evaluation"][regime].items():
+                row[regime][test] = {}
+                for key, records in by_policy.items():
+                    entry = summarize(records)
+                    if base is not None:
+                        reference = base["evaluation"][regime][test][key]
+                        entry["ratio_to_kd"] = {
+                            RATIO_NAMES[n]: paired_ratio_interval(records, reference, n) for n in numerators}
+                    row[regime][test][key] = entry
         calibration = arm["policy"].get("calibration") or {}
         row["predicted_speedup"] = calibration.get("predicted_speedup")
         out[name] = row
