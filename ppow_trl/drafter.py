@@ -100,7 +100,30 @@ class PPOWDrafterOutputWithPast(CausalLMOutputWithPast):
     draft_logits: torch.FloatTensor | None = None
 
 
-class PPOWDrafterForCausalLM(PreTrainedModel, GenerationMixin):
+class ReducedVocabHeadMixin:
+    """Target-id bookkeeping of a head over ``draft_vocab_ids`` (a sorted buffer of target ids); shared by
+    ``PPOWDrafterForCausalLM`` and the EAGLE-3 drafter. Needs ``self.draft_vocab_ids`` and
+    ``self.config.full_vocab_size``."""
+
+    def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the draft head for target token ids; -100 (ignored label) for ids outside the draft vocabulary.
+
+        TRL's fused LM head scores labels against `get_output_embeddings()` (our reduced head), so labels
+        in target ids must be mapped to draft rows first (see PPOWTrainer). -100 stays -100.
+        """
+        ids = self.draft_vocab_ids
+        rows = torch.searchsorted(ids, token_ids.clamp_min(0)).clamp(max=len(ids) - 1)
+        inside = (ids[rows] == token_ids) & (token_ids >= 0)
+        return torch.where(inside, rows, torch.full_like(rows, -100))
+
+    def to_full_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Scatter `(..., draft_vocab_size)` scores into `(..., full_vocab_size)`, `-inf` elsewhere (module doc)."""
+        shape = (*draft_logits.shape[:-1], self.config.full_vocab_size)
+        logits = draft_logits.new_full(shape, float("-inf"))
+        return logits.index_copy(-1, self.draft_vocab_ids, draft_logits)
+
+
+class PPOWDrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel, GenerationMixin):
     """A causal LM whose head covers `draft_vocab_ids` only and whose logits cover the full vocabulary."""
 
     config: PPOWDrafterConfig
@@ -181,23 +204,6 @@ class PPOWDrafterForCausalLM(PreTrainedModel, GenerationMixin):
             "PPOWDrafterForCausalLM has a reduced-vocabulary head; resize the source model before "
             "`PPOWDrafterForCausalLM.from_causal_lm` instead."
         )
-
-    def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the draft head for target token ids; -100 (ignored label) for ids outside the draft vocabulary.
-
-        TRL's fused LM head scores labels against `get_output_embeddings()` (our reduced head), so labels
-        in target ids must be mapped to draft rows first (see PPOWTrainer). -100 stays -100.
-        """
-        ids = self.draft_vocab_ids
-        rows = torch.searchsorted(ids, token_ids.clamp_min(0)).clamp(max=len(ids) - 1)
-        inside = (ids[rows] == token_ids) & (token_ids >= 0)
-        return torch.where(inside, rows, torch.full_like(rows, -100))
-
-    def to_full_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Scatter `(..., draft_vocab_size)` scores into `(..., full_vocab_size)`, `-inf` elsewhere (module doc)."""
-        shape = (*draft_logits.shape[:-1], self.config.full_vocab_size)
-        logits = draft_logits.new_full(shape, float("-inf"))
-        return logits.index_copy(-1, self.draft_vocab_ids, draft_logits)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(

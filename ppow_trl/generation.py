@@ -34,10 +34,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from .utils import crop_cache
+from .drafting import drafting_session, forward_at
 from .models import output_vocab_rows
+from .utils import crop_cache
 from .verification import (
     acceptance_histogram,
     greedy_verify,
@@ -191,24 +191,6 @@ def _check_inputs(input_ids, max_new_tokens, policy) -> list[int]:
     return input_ids[0].tolist()
 
 
-def _forward(model, tokens: list[int], cache, start: int, **kwargs):
-    """Forward ``tokens`` at positions ``start..`` after a cache holding exactly ``start`` positions."""
-    cached = 0 if cache is None else cache.get_seq_length()
-    if cached != start:  # an internal invariant: caches must hold exactly the committed prefix
-        raise RuntimeError(f"KV cache holds {cached} positions, expected {start}.")
-    device = _model_device(model)
-    if cache is None:
-        # Sliding-window (and other bounded) cache layers only allow rolling back after a rejection when
-        # they record past states, as transformers' own assisted decoding arranges.
-        cache = DynamicCache(config=model.config.get_text_config())
-        cache.activate_past_recording()
-    ids = torch.tensor([tokens], dtype=torch.long, device=device)
-    positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-    mask = torch.ones((1, start + len(tokens)), dtype=torch.long, device=device)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **kwargs)
-    return out.logits[0], out.cache
-
-
 def _truncate_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
     for index, token in enumerate(tokens):
         if token in eos:
@@ -250,13 +232,17 @@ def speculative_generate(
 
     sequence = list(prompt)
     new_tokens: list[int] = []
-    target_cache = drafter_cache = None
+    session = drafting_session(drafter, target)
+    layer_ids = session.target_layer_ids  # None for standalone drafters: the target returns no features
+    target_cache = None
     target_forwards = prefill_forwards = drafter_forwards = 0
     drafted, accepted_counts, emitted = [], [], []
     finished_by_eos = False
 
     if len(prompt) > 1:  # the target's cache holds every committed token but the last one
-        _, target_cache = _forward(target, prompt[:-1], None, 0, logits_to_keep=1)
+        out, features = forward_at(target, prompt[:-1], None, 0, layer_ids, logits_to_keep=1)
+        target_cache = out.cache
+        session.add_features(features)
         prefill_forwards = target_forwards = 1
 
     while not finished_by_eos and len(new_tokens) < max_new_tokens:
@@ -264,10 +250,9 @@ def speculative_generate(
         cap = min(policy.max_window, max_new_tokens - len(new_tokens) - 1)
         window: list[int] = []
         drafter_probs: list[torch.Tensor] = []
-        if cap > 0:
-            start = 0 if drafter_cache is None else drafter_cache.get_seq_length()
-            # every committed token the drafter has not cached yet (at least the last one)
-            logits, drafter_cache = _forward(drafter, sequence[start:], drafter_cache, start, logits_to_keep=1)
+        # every committed token the drafter has not read yet (None: nothing to draft from yet)
+        logits = session.extend(sequence) if cap > 0 else None
+        if logits is not None:
             drafter_forwards += 1
             running = torch.ones((), device=logits.device)
             for step in range(cap):
@@ -282,12 +267,13 @@ def speculative_generate(
                 running = running * policy.confidence(step_logits)
                 if step + 1 == cap or not bool(policy.keep_drafting(running, step + 1)):
                     break
-                logits, drafter_cache = _forward(drafter, [token], drafter_cache, committed + step)
+                logits = session.step(torch.tensor([token], device=logits.device))
                 drafter_forwards += 1
 
         length = len(window)
         verify_start = committed - 1
-        logits, target_cache = _forward(target, sequence[verify_start:] + window, target_cache, verify_start)
+        out, features = forward_at(target, sequence[verify_start:] + window, target_cache, verify_start, layer_ids)
+        logits, target_cache = out.logits[0], out.cache
         target_forwards += 1
         target_device = logits.device
         p = probabilities_from_logits(logits[-(length + 1) :, :vocab], target_temperature).unsqueeze(0)
@@ -307,11 +293,13 @@ def speculative_generate(
         round_tokens = round_tokens[: max_new_tokens - len(new_tokens)]  # never cuts: windows are capped
         round_tokens, finished_by_eos = _truncate_at_eos(round_tokens, eos)
 
-        # Both caches keep only the committed prefix: the target cached [..., last] + window, the drafter
-        # the committed tokens + window[:-1]; valid is what lies before the next token.
+        # Both models keep only the committed prefix: the target cached [..., last] + window, the drafter the
+        # committed tokens + window[:-1]; valid is what lies before the next token. The verified positions'
+        # features (the last committed token and the accepted ones) go to a feature-conditioned drafter.
         crop_cache(target_cache, committed + accepted)
-        if drafter_cache is not None:
-            crop_cache(drafter_cache, min(drafter_cache.get_seq_length(), committed + accepted))
+        session.rollback(committed + accepted)
+        if features is not None:
+            session.add_features(features[0, : accepted + 1])
         sequence.extend(round_tokens)
         new_tokens.extend(round_tokens)
         drafted.append(length)
@@ -336,13 +324,13 @@ def speculative_generate(
 @torch.no_grad()
 def greedy_continuation(target, prompt: list[int], num_tokens: int, vocab: int) -> list[int]:
     """The target's greedy text, ``num_tokens`` tokens, not stopping at EOS (KV-cached, one token a step)."""
-    logits, cache = _forward(target, prompt, None, 0, logits_to_keep=1)
+    out, _ = forward_at(target, prompt, None, 0, logits_to_keep=1)
     tokens = []
     for step in range(num_tokens):
-        token = int(logits[-1, :vocab].argmax())
+        token = int(out.logits[0, -1, :vocab].argmax())
         tokens.append(token)
         if step + 1 < num_tokens:
-            logits, cache = _forward(target, [token], cache, len(prompt) + step)
+            out, _ = forward_at(target, [token], out.cache, len(prompt) + step)
     return tokens
 
 
@@ -372,7 +360,11 @@ def exact_greedy_tau(
     decide how many more (rejected) tokens are drafted, never ``A``. Hence
     ``A = min(J, policy.window_lengths(c_{s+1..}), cap)`` with the same cap as the loop, the round
     yields ``x_{s+1..s+A+1}``, and the run ends once the first EOS or ``M`` tokens are covered.
-    Confidences are the policy's (``policy.confidence``), as in the loop. ``continuation``: the target's
+    Confidences are the policy's (``policy.confidence``), as in the loop. A feature-conditioned chain drafter
+    (EAGLE-3) feeds its own hidden state back from slot 2 on, so its slot ``i`` is not the teacher-forced row
+    ``s + i``: there it is the training-time-test unroll's step ``i - 1`` at start ``s``, which is again what the
+    loop drafts while ``y_<i`` matched (``ppow_trl.drafting``); the target's features come from one teacher-forced
+    target pass over ``prompt + x`` (so ``continuation`` then saves only the greedy generation). ``continuation``: the target's
     greedy continuation of the prompt when already known (``max_new_tokens`` tokens, or fewer ending at an
     EOS; e.g. cached by the trainer's evaluation or regenerated data), which saves the target pass; it is
     trusted as given.
@@ -393,24 +385,32 @@ def exact_greedy_tau(
     total = len(generated)
     text = text[: max(total, 1)] if len(text) < max_new_tokens else text
 
-    # teacher-forced drafter: row t predicts text[t] from prompt + text[:t]
-    logits, _ = _forward(drafter, prompt + text[:-1], None, 0, logits_to_keep=len(text))
-    logits = logits[-len(text):, :vocab]
-    proposals = logits.argmax(-1)
-    confidences = policy.confidence(logits)
-    matches = proposals == torch.tensor(text, dtype=torch.long, device=proposals.device)
-    # pad so a window starting near the end still has K entries (those are beyond the cap, never used)
-    pad = policy.max_window
-    confidences = torch.cat([confidences, confidences.new_zeros(pad)])
-    matches = torch.cat([matches, matches.new_zeros(pad)])
+    # Window slot k of a round starting after text[:s], teacher-forced (row s): the drafter's proposal and
+    # confidence while its first k proposals matched; slots past the text are never read (the cap).
+    session = drafting_session(drafter, target)
+    features = None
+    if session.target_layer_ids is not None:  # one teacher-forced target pass gives the features
+        features = forward_at(target, prompt + text, None, 0, session.target_layer_ids, logits_to_keep=1)[1][0]
+    truth = torch.tensor(text, dtype=torch.long)
+    proposals = torch.zeros(len(text), policy.max_window, dtype=torch.long)
+    confidences = torch.zeros(len(text), policy.max_window)
+    for slot, logits in session.teacher_forced_logits(prompt, text, policy.max_window, features):
+        logits = logits[:, :vocab]
+        proposals[:, slot] = logits.argmax(-1).cpu()
+        confidences[:, slot] = policy.confidence(logits).float().cpu()
+    # slot k of row s matches when it proposes text[s + k]
+    shifted = torch.full_like(proposals, -1)
+    for k in range(min(policy.max_window, len(text))):
+        shifted[: len(text) - k, k] = truth[k:]
+    matches = proposals == shifted
 
     done = 0
     accepted_counts, emitted = [], []
     while done < total:
         cap = min(policy.max_window, max_new_tokens - done - 1)
         if cap > 0:
-            leading = int(matches[done : done + cap].long().cumprod(0).sum())
-            length = int(policy.window_lengths(confidences[done : done + policy.max_window].unsqueeze(0))[0])
+            leading = int(matches[done, :cap].long().cumprod(0).sum())
+            length = int(policy.window_lengths(confidences[done].unsqueeze(0))[0])
             accepted = min(leading, length, cap)
         else:
             accepted = 0

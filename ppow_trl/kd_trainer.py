@@ -44,7 +44,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer, TrainingArguments
 
-from .drafter import PPOWDrafterForCausalLM
+from .drafter import ReducedVocabHeadMixin
+from .drafting import base_drafter, reads_target_features
+from .eagle3 import target_features
 
 # Columns the trainer reads (from `ppow_trl.data.build_target_responses` + `compute_target_topk`).
 KD_COLUMNS = ("prompt_ids", "response_ids", "topk_ids", "topk_logprobs")
@@ -75,6 +77,14 @@ class KDConfig(TrainingArguments):
             Whether to add the teacher's mass outside its top-k (and on ids outside the drafter's vocabulary) as
             one extra "rest" class, compared with the drafter's mass outside those ids. If `False`, the teacher's
             top-k distribution is renormalised over the ids the drafter can output.
+        ttt_steps (`int`, *optional*, defaults to `3`):
+            Feature-conditioned (EAGLE-3) drafters only: EAGLE-3's training-time test. The drafter is unrolled
+            ``n`` drafting steps on its own hidden states (``Eagle3DrafterForCausalLM.unroll``); step ``k`` at the
+            position predicting response token ``t`` is the KD loss of window slot ``k + 1`` against the teacher
+            at ``t``. Ignored for standalone drafters (their slot ``k`` is their step 0 at a later position).
+        ttt_decay (`float`, *optional*, defaults to `0.8`):
+            Loss weight ``ttt_decay ** k`` of step ``k`` (SpecForge's value); the loss is
+            ``sum_k w_k * mean KL_k / sum_k w_k``.
         max_length (`int` or `None`, *optional*, defaults to `1024`):
             Maximum length of `prompt_ids + response_ids`. Longer examples lose the start of their prompt (at
             least one prompt token is kept; a response alone longer than that loses its end). `None`: no
@@ -118,6 +128,17 @@ class KDConfig(TrainingArguments):
             "drafter's mass outside those ids; else renormalise the teacher over its top-k."
         },
     )
+    ttt_steps: int = field(
+        default=3,
+        metadata={
+            "help": "Feature-conditioned (EAGLE-3) drafters only: drafting steps unrolled on the drafter's own "
+            "hidden states (training-time test); step k learns window slot k + 1."
+        },
+    )
+    ttt_decay: float = field(
+        default=0.8,
+        metadata={"help": "Weight of TTT step k is ttt_decay ** k (SpecForge's 0.8)."},
+    )
     max_length: int | None = field(
         default=1024,
         metadata={
@@ -131,6 +152,10 @@ class KDConfig(TrainingArguments):
             raise ValueError(f"loss must be 'forward_kl' or 'tv', got {self.loss!r}.")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}.")
+        if not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"ttt_decay must lie in (0, 1], got {self.ttt_decay}.")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length must be at least 2 (a prompt and a response token), got {self.max_length}.")
         super().__post_init__()
@@ -253,11 +278,11 @@ def vocab_maps(model, num_columns: int, device: torch.device | str | None = None
     """`(column_ids, id_to_column)` of a drafter's output columns.
 
     `column_ids[c]` is the target token id of output column `c` (`draft_vocab_ids` for a
-    `PPOWDrafterForCausalLM`, possibly inside a `PeftModel`; `arange(num_columns)` for an ordinary causal LM);
+    `PPOWDrafterForCausalLM` or an EAGLE-3 drafter, possibly inside a `PeftModel`; `arange(num_columns)` for an ordinary causal LM);
     `id_to_column[i]` is the column of token id `i`, or -1 when the drafter cannot output it.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if isinstance(base, PPOWDrafterForCausalLM):
+    base = base_drafter(model)
+    if isinstance(base, ReducedVocabHeadMixin):
         column_ids = base.draft_vocab_ids.to(device=device, dtype=torch.long)
         if column_ids.numel() != num_columns:
             raise ValueError(f"The drafter has {column_ids.numel()} draft ids but its head {num_columns} columns.")
@@ -387,6 +412,10 @@ class KDTrainer(Trainer):
         processing_class: the tokenizer (for the pad id, and saved with the model).
         peft_config: a PEFT config (e.g. `LoraConfig`): the drafter is wrapped with `get_peft_model` and only the
             adapter is trained and saved.
+        target: the frozen target, required for drafters that read its hidden states
+            (`ppow_trl.eagle3.Eagle3DrafterForCausalLM`): its features are computed on the fly for each batch
+            (one no-grad teacher-forced forward) and the drafter is trained with EAGLE-3's training-time test
+            (`KDConfig.ttt_steps`). Standalone drafters ignore it.
 
     Logged metrics (averaged over the logging interval, on response positions): `kd/kl` or `kd/tv` (per-token
     loss value: the KL of the module docstring, or the TV with `loss="tv"`) and `kd/top1_agreement` (share of positions where the drafter's
@@ -404,6 +433,7 @@ class KDTrainer(Trainer):
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
+        target: PreTrainedModel | None = None,
         **kwargs,
     ):
         if args is None:
@@ -420,6 +450,14 @@ class KDTrainer(Trainer):
             model = get_peft_model(model, peft_config)
             if args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()  # reentrant checkpointing needs inputs that require grad
+
+        if reads_target_features(model):
+            if target is None:
+                raise ValueError("This drafter reads the target's hidden states (EAGLE-3 family): pass target= (the "
+                                 "frozen target it was built for) so the trainer can compute its features.")
+            base_drafter(model).check_target(target)
+            target.eval().requires_grad_(False)
+        self.target = target
 
         if train_dataset is not None:
             check_kd_columns(getattr(train_dataset, "column_names", None), "train_dataset")
@@ -462,12 +500,10 @@ class KDTrainer(Trainer):
         return self._vocab_maps_cache[key]
 
     def _is_reduced_vocab(self) -> bool:
-        model = self.model
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        return isinstance(base, PPOWDrafterForCausalLM)
+        return isinstance(base_drafter(self.model), ReducedVocabHeadMixin)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mask = inputs["completion_mask"].bool()
+    def _standalone_rows(self, model, inputs, mask):
+        """Student logits at the positions predicting response tokens: ``[(logits (N, C), positions)]``."""
         # Only the positions that predict some response token go through the output head.
         positions = mask.any(dim=0).nonzero().flatten()
         first, last = (int(positions[0]), int(positions[-1]) + 1) if positions.numel() else (0, 1)
@@ -481,44 +517,75 @@ class KDTrainer(Trainer):
             forward_kwargs["full_vocab_logits"] = False  # finite draft logits, no -inf columns
         outputs = model(**forward_kwargs)
         logits = outputs.draft_logits if self._is_reduced_vocab() else outputs.logits
+        window = torch.zeros_like(mask)
+        window[:, first:last] = mask[:, first:last]
+        return [(logits[mask[:, first:last]], window)], outputs
 
-        window = mask[:, first:last]
-        student = logits[window]  # (N, C)
-        teacher_ids = inputs["teacher_topk_ids"][:, first:last][window]
-        teacher_logprobs = inputs["teacher_topk_logprobs"][:, first:last][window]
-        column_ids, id_to_column = self._vocab_maps(student.shape[-1], student.device)
-        kl = KD_LOSSES[self.args.loss](
-            student,
-            teacher_ids,
-            teacher_logprobs,
-            id_to_column,
-            temperature=self.args.temperature,
-            tail_bucket=self.args.tail_bucket,
-        )
+    def _chain_rows(self, model, inputs, mask):
+        """Training-time test of a feature-conditioned drafter: step ``k``'s logits at pair ``j`` predict the token
+        after sequence position ``t = j + k + 1``, so they meet the teacher's distribution stored at ``t``."""
+        ids, attention = inputs["input_ids"], inputs["attention_mask"]
+        features = target_features(self.target, ids, attention, base_drafter(model).config.target_layer_ids)
+        outputs = model(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1], attention_mask=attention[:, 1:],
+                        unroll_steps=self.args.ttt_steps)
+        steps = outputs.unrolled_logits
+        rows = []
+        for step, logits in enumerate(steps):
+            # teacher position t <-> pair j = t - step - 1 (pairs exist for t >= step + 1)
+            target_mask = mask.clone()
+            target_mask[:, : step + 1] = False
+            pair_mask = target_mask[:, step + 1 :]
+            pair_mask = torch.nn.functional.pad(pair_mask, (0, logits.shape[1] - pair_mask.shape[1]))
+            rows.append((logits[pair_mask], target_mask))
+        return rows, outputs
 
-        num_tokens = kl.numel()
-        if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
-            # Token-weighted over the whole accumulated batch, like transformers' cross-entropy; the Trainer then
-            # does not divide by the accumulation steps.
-            loss = kl.sum() / num_items_in_batch
-            if self.args.average_tokens_across_devices:
-                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-        else:
-            loss = kl.sum() / max(num_tokens, 1)
-        if num_tokens == 0:
-            loss = loss + 0.0 * logits.sum()  # keep the graph connected
-
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mask = inputs["completion_mask"].bool()
+        chain = reads_target_features(model)
+        rows, outputs = self._chain_rows(model, inputs, mask) if chain else self._standalone_rows(model, inputs, mask)
+        weights = [self.args.ttt_decay**step for step in range(len(rows))]
+        column_ids, id_to_column = self._vocab_maps(rows[0][0].shape[-1], rows[0][0].device)
+        loss, stats = 0.0, []
+        for weight, (student, target_mask) in zip(weights, rows):
+            teacher_ids = inputs["teacher_topk_ids"][target_mask]
+            teacher_logprobs = inputs["teacher_topk_logprobs"][target_mask]
+            kl = KD_LOSSES[self.args.loss](
+                student,
+                teacher_ids,
+                teacher_logprobs,
+                id_to_column,
+                temperature=self.args.temperature,
+                tail_bucket=self.args.tail_bucket,
+            )
+            num_tokens = kl.numel()
+            if chain:  # per-step means, weighted (module doc of KDConfig.ttt_decay)
+                step_loss = kl.sum() / max(num_tokens, 1) * weight / sum(weights)
+            elif num_items_in_batch is not None and self.model_accepts_loss_kwargs:
+                # Token-weighted over the whole accumulated batch, like transformers' cross-entropy; the Trainer
+                # then does not divide by the accumulation steps.
+                step_loss = kl.sum() / num_items_in_batch
+                if self.args.average_tokens_across_devices:
+                    step_loss = step_loss * (self.accelerator.num_processes // self.get_tp_size())
+            else:
+                step_loss = kl.sum() / max(num_tokens, 1)
+            if num_tokens == 0:
+                step_loss = step_loss + 0.0 * student.sum()  # keep the graph connected
+            loss = loss + step_loss
+            with torch.no_grad():
+                agree = (column_ids[student.argmax(dim=-1)] == teacher_ids[:, 0]).float().sum() if num_tokens else 0.0
+                stats.append([float(kl.detach().sum()), float(agree), float(num_tokens)])
         with torch.no_grad():
-            agree = (column_ids[student.argmax(dim=-1)] == teacher_ids[:, 0]).float().sum() if num_tokens else 0.0
-            stats = torch.tensor([float(kl.detach().sum()), float(agree), float(num_tokens)], device=student.device)
-            stats = self.accelerator.gather(stats).reshape(-1, 3).sum(dim=0)
-            if stats[2] > 0:
-                mode = "train" if model.training else "eval"
-                name = "kd/kl" if self.args.loss == "forward_kl" else "kd/tv"
-                self._metrics[mode][name].append((stats[0] / stats[2]).item())
-                if model.training:
-                    self.trained_positions += int(stats[2])  # response positions trained on, all processes
-                self._metrics[mode]["kd/top1_agreement"].append((stats[1] / stats[2]).item())
+            stats = torch.tensor(stats, device=rows[0][0].device)
+            stats = self.accelerator.gather(stats).reshape(-1, len(rows), 3).sum(dim=0)
+            mode = "train" if model.training else "eval"
+            name = "kd/kl" if self.args.loss == "forward_kl" else "kd/tv"
+            for step, (total, agree, count) in enumerate(stats.tolist()):
+                if count > 0:
+                    suffix = f"_step{step}" if step else ""
+                    self._metrics[mode][name + suffix].append(total / count)
+                    self._metrics[mode]["kd/top1_agreement" + suffix].append(agree / count)
+            if model.training:
+                self.trained_positions += int(stats[0, 2])  # response positions trained on, all processes
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
