@@ -81,7 +81,7 @@ def calibration_rollouts(
     for start in range(0, len(contexts), batch_size):
         chunk = contexts[start : start + batch_size]
         drafted = draft_windows(drafter, chunk, full, pad_id=pad_id, temperature=0.0 if greedy else temperature,
-                                vocab_size=vocab_size, generator=generator)
+                                vocab_size=vocab_size, generator=generator, target=target)
         p = target_window_probs(target, chunk, drafted.window_ids, pad_id=pad_id,
                                 temperature=0.0 if greedy else temperature, vocab_size=vocab_size)
         p = p.to(drafted.drafter_probs.device)

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from datasets import Dataset
 
-from .rollout import left_pad, positions_from_mask
+from .batching import left_pad, positions_from_mask
+from .drafting import target_layer_ids
 from .windowing import divergence_scores
 
 SELECTOR_STATE_FILE = "ppow_context_selector.pt"
@@ -112,15 +113,26 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _response_probs(model, ids, mask, positions, keep: int, vocab_size: int, temperature: float) -> torch.Tensor:
-    """Distributions at the last ``keep - 1`` scoring positions of a left-padded batch. ``(B, keep - 1, V)``."""
+def _response_probs(model, ids, mask, positions, keep: int, vocab_size: int, temperature: float,
+                    feature_layers=None, features=None):
+    """Distributions at the last ``keep - 1`` scoring positions of a left-padded batch. ``(B, keep - 1, V)``, and
+    the model's hidden states at ``feature_layers`` (``None`` without). A drafter reading the target's features
+    gets ``features`` (``(B, T, F)``, the target's) and scores pairs ``(h_j, s_{j+1})``: its column ``j`` predicts
+    what the target's column ``j + 1`` does, so the same last ``keep`` columns line up."""
+    from .eagle3 import target_forward
     from .verification import probabilities_from_logits
 
     device = _model_device(model)
-    out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                logits_to_keep=keep, use_cache=False)
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    if features is not None:
+        out = model(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1].to(device), attention_mask=mask[:, 1:],
+                    position_ids=positions_from_mask(mask[:, 1:]), logits_to_keep=keep)
+        found = None
+    else:
+        out, found = target_forward(model, feature_layers, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                    logits_to_keep=keep, use_cache=False)
     # logits_to_keep keeps the last `keep` positions; the very last one predicts past the sequence's end.
-    return probabilities_from_logits(out.logits[:, -keep:-1, :vocab_size], temperature)
+    return probabilities_from_logits(out.logits[:, -keep:-1, :vocab_size], temperature), found
 
 
 @torch.no_grad()
@@ -147,6 +159,9 @@ def score_sequences(target, drafter, sequences, prompt_lengths, *, vocab_size: i
         if not 1 <= prompt_length <= len(ids):
             raise ValueError(f"A prompt length {prompt_length} outside [1, {len(ids)}]: every context needs a prompt.")
     device = _model_device(drafter)
+    layer_ids = target_layer_ids(drafter)  # a feature-conditioned drafter reads the target's hidden states
+    if layer_ids is not None and min(prompt_lengths) < 2:
+        raise ValueError("A feature-conditioned drafter needs prompts of at least 2 tokens (one pair).")
     responses = [len(ids) - p for ids, p in zip(sequences, prompt_lengths)]
     results = [torch.zeros(n, device=device) for n in responses]  # final for empty responses
 
@@ -154,8 +169,9 @@ def score_sequences(target, drafter, sequences, prompt_lengths, *, vocab_size: i
         keep = max(responses[i] for i in batch) + 1
         ids, mask = left_pad([sequences[i] for i in batch], pad_id)
         positions = positions_from_mask(mask)
-        p = _response_probs(target, ids, mask, positions, keep, vocab_size, target_temperature).to(device)
-        q = _response_probs(drafter, ids, mask, positions, keep, vocab_size, drafter_temperature)
+        p, features = _response_probs(target, ids, mask, positions, keep, vocab_size, target_temperature, layer_ids)
+        q, _ = _response_probs(drafter, ids, mask, positions, keep, vocab_size, drafter_temperature, features=features)
+        p = p.to(device)
         rows = divergence_scores(p, q, kind=kind)  # (B, keep - 1): sequence i's response is its last T_i columns
         for row, i in enumerate(batch):
             results[i] = rows[row, rows.shape[1] - responses[i]:]

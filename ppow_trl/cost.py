@@ -129,6 +129,30 @@ def _cached_step(model, context_ids: torch.Tensor, num_new: int):
     return step
 
 
+def _drafter_step(drafter, target, context_ids: torch.Tensor):
+    """A callable running one drafting step (one token after ``context_ids``) through the drafter's session, which
+    is what the loops run: a standalone drafter's one-token forward, or a chain drafter's step on its own hidden
+    state (``ppow_trl.drafting``); the state is put back after each step."""
+    from .drafting import drafting_session
+    from .eagle3 import context_features
+
+    session = drafting_session(drafter, target)
+    context = context_ids[0].to(next(drafter.parameters()).device)
+    features = None
+    if session.target_layer_ids is not None:
+        features = context_features(target, [context_ids[0]], session.target_layer_ids)
+    session.prefill([context], features=features)
+    length, mask, positions = session.cache.get_seq_length(), session.mask, session.positions
+    token = context[-1:]
+
+    def step():
+        session.step(token)
+        crop_cache(session.cache, length)  # back to the shared context: every repeat times the same step
+        session.mask, session.positions = mask, positions
+
+    return step
+
+
 def calibrate_cost_model(
     target,
     drafter,
@@ -158,7 +182,7 @@ def calibrate_cost_model(
     context_ids = context_ids.to(device)
     with torch.inference_mode():
         steps = {length: _cached_step(target, context_ids, length + 1) for length in range(max_window + 1)}
-        steps["drafter"] = _cached_step(drafter, context_ids.to(next(drafter.parameters()).device), 1)
+        steps["drafter"] = _drafter_step(drafter, target, context_ids)
         seconds = _interleaved_medians(steps, repeats, warmup, device)
     verify = [seconds[length] for length in range(max_window + 1)]
     drafter_step = seconds["drafter"]

@@ -128,7 +128,7 @@ def main(argv=None):
     for mode, temperature in (("greedy", 0.0), ("sampling T=1", 1.0)):
         generator = torch.Generator().manual_seed(args.seed)
         drafted = draft_windows(drafter, contexts, policy, pad_id=pad_id, temperature=temperature,
-                                vocab_size=vocab_size, generator=generator)
+                                vocab_size=vocab_size, generator=generator, target=target)
         p = target_window_probs(target, contexts, drafted.window_ids, pad_id=pad_id, temperature=temperature, vocab_size=vocab_size)
         mask = drafted.window_mask
         prefix = window_prefix_acceptance(drafted.window_ids, p, drafted.drafter_probs, mask, greedy=temperature == 0)

@@ -202,6 +202,8 @@ class DataCollatorForKD:
         - `completion_mask` `(B, L)` bool: the positions that predict a response token.
         - `teacher_topk_ids` (long) and `teacher_topk_logprobs` (float32) `(B, L, k)`: the teacher's top-k at
           those positions (zeros elsewhere).
+        - `target_features` `(B, L, F)` float32, when the examples have that column
+          (`ppow_trl.eagle3.compute_target_features`): the target's features of each kept position (zeros on padding).
     """
 
     pad_token_id: int = 0
@@ -211,7 +213,7 @@ class DataCollatorForKD:
         if not examples:
             raise ValueError("DataCollatorForKD got an empty batch.")
         check_kd_columns(list(examples[0].keys()), "batch")
-        rows, top_k = [], None
+        rows, feature_rows, top_k = [], [], None
         for example in examples:
             prompt, response = list(example["prompt_ids"]), list(example["response_ids"])
             topk_ids, topk_logprobs = example["topk_ids"], example["topk_logprobs"]
@@ -222,7 +224,15 @@ class DataCollatorForKD:
                     f"topk_ids/topk_logprobs hold {len(topk_ids)}/{len(topk_logprobs)} rows for {len(response)} "
                     "response tokens; recompute them with `ppow_trl.data.compute_target_topk` on this dataset."
                 )
+            full_prompt = len(prompt)
             prompt, kept = _truncate(prompt, response, self.max_length)
+            features = example.get("target_features")
+            if features is not None:  # the kept positions: the prompt's suffix and the response's prefix
+                features = torch.as_tensor(features, dtype=torch.float32)
+                if features.shape[0] != full_prompt + len(response):
+                    raise ValueError(f"target_features has {features.shape[0]} rows for {full_prompt + len(response)} "
+                                     "tokens; recompute them with ppow_trl.eagle3.compute_target_features.")
+                features = features[full_prompt - len(prompt) : full_prompt + kept]
             width = len(topk_ids[0]) if kept else 0  # an empty response has no top-k rows
             ids = torch.as_tensor(topk_ids[:kept], dtype=torch.long).reshape(kept, width)
             logprobs = torch.as_tensor(topk_logprobs[:kept], dtype=torch.float32).reshape(kept, width)
@@ -235,6 +245,7 @@ class DataCollatorForKD:
                     raise ValueError(f"All examples of a batch need the same top-k, got {top_k} and {ids.shape[1]}.")
                 top_k = ids.shape[1]
             rows.append((prompt, response[:kept], ids, logprobs))
+            feature_rows.append(features)
 
         top_k = top_k or 1
         length = max(len(prompt) + len(response) for prompt, response, _, _ in rows)
@@ -253,7 +264,7 @@ class DataCollatorForKD:
             completion_mask[row, start : start + len(response)] = True
             teacher_ids[row, start : start + len(response)] = ids
             teacher_logprobs[row, start : start + len(response)] = logprobs
-        return {
+        batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": labels,
@@ -261,6 +272,14 @@ class DataCollatorForKD:
             "teacher_topk_ids": teacher_ids,
             "teacher_topk_logprobs": teacher_logprobs,
         }
+        if any(features is not None for features in feature_rows):
+            if any(features is None for features in feature_rows):
+                raise ValueError("Some examples of the batch have target_features and others not.")
+            padded = torch.zeros((batch_size, length, feature_rows[0].shape[-1]), dtype=torch.float32)
+            for row, features in enumerate(feature_rows):
+                padded[row, : features.shape[0]] = features
+            batch["target_features"] = padded
+        return batch
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -452,11 +471,14 @@ class KDTrainer(Trainer):
                 model.enable_input_require_grads()  # reentrant checkpointing needs inputs that require grad
 
         if reads_target_features(model):
-            if target is None:
+            has_features = "target_features" in (getattr(train_dataset, "column_names", None) or [])
+            if target is None and not has_features:
                 raise ValueError("This drafter reads the target's hidden states (EAGLE-3 family): pass target= (the "
-                                 "frozen target it was built for) so the trainer can compute its features.")
-            base_drafter(model).check_target(target)
-            target.eval().requires_grad_(False)
+                                 "frozen target it was built for) so the trainer can compute its features, or a "
+                                 "dataset with them (ppow_trl.eagle3.compute_target_features).")
+            if target is not None:
+                base_drafter(model).check_target(target)
+                target.eval().requires_grad_(False)
         self.target = target
 
         if train_dataset is not None:
@@ -491,7 +513,7 @@ class KDTrainer(Trainer):
     def _set_signature_columns_if_needed(self):
         # The collator, not the model, reads the dataset: keep its columns even with remove_unused_columns=True.
         if self._signature_columns is None:
-            self._signature_columns = list(KD_COLUMNS)
+            self._signature_columns = [*KD_COLUMNS, "target_features"]
 
     def _vocab_maps(self, num_columns: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (str(device), num_columns)
@@ -525,18 +547,20 @@ class KDTrainer(Trainer):
         """Training-time test of a feature-conditioned drafter: step ``k``'s logits at pair ``j`` predict the token
         after sequence position ``t = j + k + 1``, so they meet the teacher's distribution stored at ``t``."""
         ids, attention = inputs["input_ids"], inputs["attention_mask"]
-        features = target_features(self.target, ids, attention, base_drafter(model).config.target_layer_ids)
-        outputs = model(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1], attention_mask=attention[:, 1:],
-                        unroll_steps=self.args.ttt_steps)
-        steps = outputs.unrolled_logits
-        rows = []
-        for step, logits in enumerate(steps):
+        features = inputs.get("target_features")  # cached (compute_target_features), else computed now
+        if features is None:
+            features = target_features(self.target, ids, attention, base_drafter(model).config.target_layer_ids)
+        target_masks, pair_masks = [], []
+        for step in range(self.args.ttt_steps):
             # teacher position t <-> pair j = t - step - 1 (pairs exist for t >= step + 1)
             target_mask = mask.clone()
             target_mask[:, : step + 1] = False
-            pair_mask = target_mask[:, step + 1 :]
-            pair_mask = torch.nn.functional.pad(pair_mask, (0, logits.shape[1] - pair_mask.shape[1]))
-            rows.append((logits[pair_mask], target_mask))
+            pair_mask = torch.nn.functional.pad(target_mask[:, step + 1 :], (0, step))
+            target_masks.append(target_mask)
+            pair_masks.append(pair_mask)
+        outputs = model(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1], attention_mask=attention[:, 1:],
+                        unroll_steps=self.args.ttt_steps, unroll_row_masks=pair_masks)
+        rows = list(zip(outputs.unrolled_logits, target_masks))
         return rows, outputs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -28,7 +28,9 @@ from .calibration import calibrate_policy, held_out_contexts
 from .contexts import ContextPool, ContextSelector, score_sequences
 from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model, overall_speedup, speedup
 from .credit import per_position_advantages, per_position_credit
-from .drafter import PPOWDrafterForCausalLM
+from .drafter import ReducedVocabHeadMixin
+from .drafting import reads_target_features, target_layer_ids
+from .eagle3 import context_features
 from .model_card import render_model_card, write_model_card
 from .models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
@@ -36,7 +38,7 @@ from .generation import exact_greedy_tau, greedy_continuation
 from .rewards import divergence, proximity_terms
 from .rollout import draft_windows, target_window_probs
 from .verification import window_prefix_acceptance
-from .window_logprobs import shared_context_window_logprobs
+from .window_logprobs import chain_window_logprobs, shared_context_window_logprobs
 from .windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
@@ -198,7 +200,11 @@ class PPOWTrainer(GRPOTrainer):
                 "delta. Leave lm_head out of target_modules (or train it fully with modules_to_save=['lm_head'])."
             )
         head_rows = head.weight.shape[0]
-        reduced = isinstance(drafter, PPOWDrafterForCausalLM)
+        reduced = isinstance(drafter, ReducedVocabHeadMixin)
+        chain = reads_target_features(drafter)
+        if chain and not self.args.shared_context_logprobs:
+            raise ValueError("A drafter reading the target's hidden states has no TRL generic loss path (its forward "
+                             "needs the target's features): keep shared_context_logprobs=True.")
         if not self.args.shared_context_logprobs and not reduced and head_rows != self.vocab_size:
             raise ValueError(
                 f"The drafter's head has {head_rows} rows but the shared vocabulary is {self.vocab_size}: TRL's generic "
@@ -210,6 +216,9 @@ class PPOWTrainer(GRPOTrainer):
         @functools.wraps(inner_forward)
         def forward(*args, ppow_window_logprobs=None, fused_lm_head=False, labels=None, **kwargs):
             if ppow_window_logprobs is not None:
+                if chain:
+                    return chain_window_logprobs(drafter, kwargs["input_ids"], kwargs["attention_mask"],
+                                                 context_features=self._context_features, **ppow_window_logprobs)
                 return shared_context_window_logprobs(drafter, kwargs["input_ids"], kwargs["attention_mask"],
                                                       **ppow_window_logprobs)
             if reduced and fused_lm_head and labels is not None:
@@ -218,6 +227,16 @@ class PPOWTrainer(GRPOTrainer):
 
         drafter.forward = forward
         drafter._ppow_window_logprobs = True
+
+    def _context_features(self, contexts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The target's features of each context: those the latest rollout drafted from, else computed now."""
+        kept = getattr(self, "_rollout_features", {})
+        missing = [c for c in contexts if tuple(c.tolist()) not in kept]
+        if missing:
+            computed = context_features(self.target, missing, target_layer_ids(self._unwrapped_drafter()),
+                                        self._tokenizer.pad_token_id)
+            kept = {**kept, **{tuple(c.tolist()): f for c, f in zip(missing, computed)}}
+        return [kept[tuple(c.tolist())] for c in contexts]
 
     @property
     def cost_model(self) -> CostModel:
@@ -336,11 +355,17 @@ class PPOWTrainer(GRPOTrainer):
         generator = torch.Generator(self.accelerator.device).manual_seed(
             (self.args.seed * 1_000_003 + self._generation_round()) * 1_009 + self.accelerator.process_index
         )
+        features = None
+        layer_ids = target_layer_ids(self._unwrapped_drafter())
+        if layer_ids is not None:  # kept for the loss, which replays these windows from the same features
+            features = context_features(self.target, contexts, layer_ids, pad_id)
+            self._rollout_features = {tuple(c.tolist()): f for c, f in zip(contexts, features)}
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
         ) as drafter, torch.no_grad():
             drafted = draft_windows(drafter, contexts, self.rollout_policy, pad_id=pad_id, temperature=self.args.temperature,
-                                    vocab_size=self.vocab_size, num_samples_per_context=group, generator=generator)
+                                    vocab_size=self.vocab_size, num_samples_per_context=group, generator=generator,
+                                    target=self.target, features=features)
         target_probs = target_window_probs(self.target, contexts, drafted.window_ids, pad_id=pad_id,
                                            temperature=self._verify_temperature, vocab_size=self.vocab_size,
                                            num_samples_per_context=group)
@@ -443,7 +468,7 @@ class PPOWTrainer(GRPOTrainer):
                       and not checkpointed)
         if not use_shared:
             head_rows = inner.get_output_embeddings().weight.shape[0]
-            if not isinstance(inner, PPOWDrafterForCausalLM) and head_rows != self.vocab_size:
+            if not isinstance(inner, ReducedVocabHeadMixin) and head_rows != self.vocab_size:
                 raise ValueError(
                     f"TRL's generic loss path (used here because of activation checkpointing, an MoE aux loss or a "
                     f"model without PPOW's route) normalises over all {head_rows} head rows, but the rollout samples "
@@ -621,7 +646,8 @@ class PPOWTrainer(GRPOTrainer):
             for start in range(0, len(contexts), args.per_device_eval_batch_size):
                 chunk = contexts[start : start + args.per_device_eval_batch_size]
                 drafted = draft_windows(drafter, chunk, policy, pad_id=self._tokenizer.pad_token_id,
-                                        temperature=args.temperature, vocab_size=self.vocab_size, generator=generator)
+                                        temperature=args.temperature, vocab_size=self.vocab_size, generator=generator,
+                                        target=self.target)
                 p = target_window_probs(self.target, chunk, drafted.window_ids, pad_id=self._tokenizer.pad_token_id,
                                         temperature=self._verify_temperature, vocab_size=self.vocab_size)
                 prefix = window_prefix_acceptance(drafted.window_ids, p.to(drafted.drafter_probs.device),

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 from .batching import left_pad, length_buckets, positions_from_mask, prefill_contexts
+from .drafting import drafting_session
+from .eagle3 import context_features
 from .verification import lengths_to_mask, probabilities_from_logits, sample_categorical
 from .windowing import AdaptiveWindowPolicy
 
@@ -42,6 +44,8 @@ def draft_windows(
     vocab_size: int | None = None,
     generator: torch.Generator | None = None,
     num_samples_per_context: int = 1,
+    target=None,
+    features: list[torch.Tensor] | None = None,
 ) -> DraftedWindows:
     """Draft up to ``policy.max_window`` tokens after each context (drafter KV cache, one token per step).
 
@@ -50,9 +54,18 @@ def draft_windows(
     once and ``G`` windows are sampled from the shared cache (GRPO's group); rows are ordered context
     by context. Rows keep drafting as a batch until every row's policy has stopped (or ``K`` is
     reached); the mask keeps the prefix the policy chose, which is what a row drafting alone would
-    have proposed.
+    have proposed. A drafter that reads the target's hidden states (``ppow_trl.drafting``) needs ``target``: its
+    features of the contexts come from one teacher-forced target forward (``context_features``), unless given as
+    ``features`` (``[(len(c), F)]``, e.g. kept by the trainer for its loss).
     """
-    logits, cache, mask, last_position = prefill_contexts(drafter, contexts, pad_id, num_samples_per_context)
+    session = drafting_session(drafter, target)
+    if session.target_layer_ids is None:
+        features = None
+    elif features is None:
+        if target is None:
+            raise ValueError("This drafter reads the target's hidden states: pass target= to draft_windows.")
+        features = context_features(target, contexts, session.target_layer_ids, pad_id)
+    logits = session.prefill(contexts, pad_id, num_samples_per_context, features)
     tokens, probs, confidences = [], [], []
     running = torch.ones(logits.shape[0], device=logits.device)
     for step in range(policy.max_window):
@@ -65,11 +78,7 @@ def draft_windows(
         running = running * confidences[-1]
         if not policy.keep_drafting(running, step + 1).any():
             break
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-        last_position = last_position + 1
-        out = drafter(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=last_position, cache=cache,
-                      use_cache=True)
-        logits = out.logits[:, -1]
+        logits = session.step(token)
     window_ids = torch.stack(tokens, dim=1)
     confidences = torch.stack(confidences, dim=1)
     window_mask = lengths_to_mask(policy.window_lengths(confidences), window_ids.shape[1])

@@ -153,3 +153,69 @@ def shared_context_window_logprobs(
     if entropy is not None:
         entropy = entropy.new_zeros(valid.shape).masked_scatter(valid, entropy)
     return log_probs, entropy
+
+
+def chain_window_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_window_tokens: int,
+    *,
+    vocab_size: int,
+    temperature: float,
+    context_features,
+    compute_entropy: bool = False,
+    cast_lm_head_to_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``shared_context_window_logprobs`` for a feature-conditioned chain drafter (``ppow_trl.eagle3``).
+
+    The drafter replays what the rollout did (``ppow_trl.drafting.ChainSession``), with gradients: each distinct
+    context's pairs ``(h_j, c_{j+1})`` once (``context_features(contexts)`` gives the target's features, the ones the
+    rollout drafted from), its cache repeated for the windows that share it, then one step per window token on the
+    drafter's own hidden state. ``log q(y_i)`` is the log-softmax at ``temperature`` over the draft rows the rollout
+    sampled from (ids below ``vocab_size``), so it equals the sampled log-probability.
+    """
+    from .batching import left_pad
+
+    width = input_ids.shape[1] - num_window_tokens
+    prompt_ids, prompt_mask = input_ids[:, :width], attention_mask[:, :width]
+    window_ids, window_mask = input_ids[:, width:], attention_mask[:, width:]
+    first_row, inverse = group_contexts(prompt_ids, prompt_mask)
+    contexts = [prompt_ids[row][prompt_mask[row].bool()] for row in first_row.tolist()]
+    features = context_features(contexts)
+    device = model.fc.weight.device if hasattr(model, "fc") else input_ids.device
+    ids, mask = left_pad([c[1:] for c in contexts], 0)
+    pairs = ids.shape[1]
+    feats = torch.stack([torch.nn.functional.pad(f[: len(c) - 1].to(device), (0, 0, pairs - len(c) + 1, 0))
+                         for f, c in zip(features, contexts)])
+    ids, mask = ids.to(device), mask.to(device)
+    positions = positions_from_mask(mask)
+    out = model(input_ids=ids, target_hidden_states=feats, attention_mask=mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1, full_vocab_logits=False)
+    cache, hidden = out.cache, out.hidden_states[:, -1:][inverse]
+    cache.batch_select_indices(inverse)  # differentiable: each window reads its context's keys and values
+    mask, position = mask[inverse], positions[:, -1:][inverse]
+    logits = [out.draft_logits[:, -1][inverse]]
+    for step in range(num_window_tokens - 1):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        position = position + 1
+        out = model(input_ids=window_ids[:, step : step + 1].to(device), hidden_states=hidden, attention_mask=mask,
+                    position_ids=position, cache=cache, use_cache=True, full_vocab_logits=False)
+        cache, hidden = out.cache, out.hidden_states
+        logits.append(out.draft_logits[:, -1])
+    logits = torch.stack(logits, dim=1)  # (B, C, draft rows)
+
+    rows, lookup = head_rows_and_labels(model, vocab_size)
+    labels = lookup[window_ids.clamp(0, len(lookup) - 1)].to(device)
+    valid = window_mask.bool().to(device)
+    if (labels[valid] < 0).any():
+        raise ValueError("A window token lies outside the drafter's vocabulary: it cannot have been sampled from it.")
+    logits = logits[..., rows]
+    if cast_lm_head_to_fp32:
+        logits = logits.float()
+    log_q = torch.log_softmax(logits / temperature, dim=-1)
+    log_probs = log_q.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1) * valid
+    entropy = None
+    if compute_entropy:
+        entropy = -(log_q.exp() * log_q).sum(-1) * valid
+    return log_probs, entropy

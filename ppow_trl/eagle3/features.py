@@ -43,3 +43,15 @@ def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tenso
     _, features = target_forward(target, layer_ids, input_ids=input_ids, attention_mask=attention_mask,
                                  **forward_kwargs)
     return features
+
+
+@torch.no_grad()
+def context_features(target, contexts: list[torch.Tensor], layer_ids: list[int], pad_id: int = 0) -> list[torch.Tensor]:
+    """Features of every token of each context, ``[(len(c), F)]``, from one left-padded teacher-forced forward."""
+    from ..batching import left_pad, positions_from_mask
+
+    device = next(target.parameters()).device
+    ids, mask = left_pad(contexts, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    features = target_features(target, ids, mask, layer_ids, position_ids=positions_from_mask(mask))
+    return [row[-len(context):] for row, context in zip(features, contexts)]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -188,7 +188,7 @@ def unroll_attention(chain: list[tuple[torch.Tensor, torch.Tensor]], mask: torch
     return attend
 
 
-class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel):
+class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel, GenerationMixin):
     """EAGLE-3 drafter (module docstring). Build one for a target with ``from_target``."""
 
     config: Eagle3DrafterConfig
@@ -341,6 +341,7 @@ class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel):
         logits_to_keep: int | torch.Tensor = 0,
         full_vocab_logits: bool = True,
         unroll_steps: int | None = None,
+        unroll_row_masks: list[torch.Tensor] | None = None,
         labels: torch.LongTensor | None = None,
         return_dict: bool | None = None,
         **kwargs,
@@ -353,15 +354,15 @@ class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel):
         position_ids (`(B, T)`): defaults to ``past .. past + T - 1``.
         cache: a ``ChainCache`` holding ``past`` positions; created when ``use_cache`` and ``None``.
         unroll_steps: run ``unroll`` instead (training-time test over teacher-forced sequences, right padding,
-            no cache) and return its steps' draft logits as ``unrolled_logits``. Going through ``forward`` keeps
-            PEFT and DDP wrappers in the call chain.
+            no cache) and return its steps' draft logits as ``unrolled_logits`` (at ``unroll_row_masks`` only, when
+            given). Going through ``forward`` keeps PEFT and DDP wrappers in the call chain.
         labels (`(B, T)`): target ids of the token each pair predicts (``s_{j+2}``, ``-100`` ignored): cross-entropy
             on the full-width logits (infinite for a label outside the draft vocabulary); also what tells the
             ``Trainer`` this model takes labels.
         """
         if unroll_steps is not None:
             steps = self.unroll(input_ids, target_hidden_states, unroll_steps, attention_mask=attention_mask,
-                                pad_token_id=self.config.pad_token_id or 0)
+                                pad_token_id=self.config.pad_token_id or 0, row_masks=unroll_row_masks)
             return Eagle3DrafterOutput(unrolled_logits=tuple(steps))
         hidden = self._first_hidden(target_hidden_states, hidden_states)
         batch, length = input_ids.shape
@@ -397,13 +398,16 @@ class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel):
         num_steps: int,
         attention_mask: torch.Tensor | None = None,
         pad_token_id: int = 0,
+        row_masks: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         r"""Training-time test over teacher-forced sequences (module docstring): draft logits of steps ``0..n-1``.
 
         input_ids (`(B, T)`) and target_hidden_states (`(B, T, feature_size)`) are pair-aligned as in ``forward``
         (``input_ids[:, j] = s_{j+1}``, ``target_hidden_states[:, j] = h_j``); right padding only, masked by
         ``attention_mask``. Step ``k``'s logits at ``j`` (``(B, T, draft_vocab_size)``) predict ``s_{j+k+2}``; they
-        are valid where ``j + k < T`` holds real tokens (the caller masks the rest).
+        are valid where ``j + k < T`` holds real tokens (the caller masks the rest). ``row_masks[k]`` (`(B, T)` bool):
+        apply the head only to those pairs of step ``k`` (returns ``(N_k, draft_vocab_size)``; the head is most of the
+        cost and training reads only response positions).
         """
         batch, length = input_ids.shape
         device = input_ids.device
@@ -412,18 +416,35 @@ class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel):
         index = torch.arange(length, device=device)
         mask = ((index[None, :] <= index[:, None])[None] & attention_mask.bool()[:, None, :])
         mask = (mask | torch.eye(length, dtype=torch.bool, device=device)[None]).unsqueeze(1)
-        positions = index.unsqueeze(0).expand(batch, -1)
+        # Steps >= 1 only continue chains whose logits some later step reads: their pairs are gathered into
+        # `rows` (B, S), needed ones first in order (the rest of a row's S slots are never read); in training this
+        # skips the prompt positions.
+        rows = index.unsqueeze(0).expand(batch, -1)
+        if row_masks is not None and num_steps > 1:
+            needed = torch.stack(list(row_masks[1:num_steps])).any(0)
+            count = int(needed.sum(-1).max()) if needed.any() else 1
+            order = torch.argsort((~needed).to(torch.int8), dim=-1, stable=True)[:, :count]
+            rows = order  # needed pairs first, in order
         hidden = self._first_hidden(target_hidden_states, None)
         chains = [[] for _ in self.layers]
         outputs = []
         for step in range(num_steps):
+            if step == 1 and rows.shape[1] != length:
+                hidden = hidden.gather(1, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+                mask = mask.gather(2, rows[:, None, :, None].expand(-1, 1, -1, length))
+            picked = index.unsqueeze(0).expand(batch, -1) if step == 0 else rows
             # token s_{j+step+1}: the input ids shifted left by `step`, padded at the end
-            tokens = F.pad(input_ids[:, step:], (0, step), value=pad_token_id)
+            tokens = F.pad(input_ids, (0, step), value=pad_token_id).gather(1, picked + step)
             embeds = self.embed_tokens(tokens).to(hidden.dtype)
-            position_embeddings = self.rotary_emb(hidden, positions + step)
+            position_embeddings = self.rotary_emb(hidden, picked + step)
             for layer_index, layer in enumerate(self.layers):
                 hidden = layer(embeds, hidden, position_embeddings, unroll_attention(chains[layer_index], mask))
-            outputs.append(self.lm_head(self.norm(hidden)))
+            if row_masks is None:
+                selected = hidden
+            else:
+                wanted = row_masks[step] if step == 0 else row_masks[step].gather(1, rows)
+                selected = hidden[wanted]
+            outputs.append(self.lm_head(self.norm(selected)))
         return outputs
 
 

@@ -10,6 +10,9 @@ sees the same target-generated data and gets the same wall-clock training budget
 - ablations of ``ppow`` from the same warm start: no cost term (reward E[A|y] + 1), no R_prox,
   uniform selection, fixed K (trained and served without the adaptive window), per-token credit; and
   ``ppow_greedy``, PPOW rewarded by greedy verification (the regime of the primary measure).
+- the same protocol for another drafter family (``Arm.drafter``): ``eagle3_kd`` (an EAGLE-3 head reading the
+  target's hidden states, KD with training-time test on cached target features) and ``eagle3_ppow`` (its state at
+  ``warm_seconds`` then PPOW), each family with its own warm start (``warm_start_of``).
 """
 
 from __future__ import annotations
@@ -19,17 +22,37 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm: ``kind`` "kd" (loss ``kd_loss``) or "ppow" (PPOWConfig fields ``ppow`` over the study's)."""
+    """One arm: ``kind`` "kd" (loss ``kd_loss``) or "ppow" (PPOWConfig fields ``ppow`` over the study's), for the
+    drafter family ``drafter``: "truncated" (the target's first layers) or "eagle3" (``ppow_trl.eagle3``)."""
 
     name: str
     kind: str
     description: str
     kd_loss: str = "forward_kl"
     ppow: dict = field(default_factory=dict)
+    drafter: str = "truncated"
 
     @property
     def starts_from_warm(self) -> bool:
         return self.kind == "ppow"
+
+    @property
+    def kd_arm(self) -> str:
+        """The family's KD arm: it saves the warm start of the family's PPOW arms."""
+        return KD_ARM[self.drafter]
+
+    @property
+    def saves_warm_start(self) -> bool:
+        return self.name == self.kd_arm
+
+
+# The KD arm of each drafter family; its state at `warm_seconds` is `warm_start_of(family)`.
+KD_ARM = {"truncated": "kd", "eagle3": "eagle3_kd"}
+
+
+def warm_start_of(drafter: str) -> str:
+    """Name of a family's warm start (evaluated as an arm): ``kd_warm``, ``eagle3_kd_warm``."""
+    return f"{KD_ARM[drafter]}_warm"
 
 
 ARMS = {arm.name: arm for arm in [
@@ -49,9 +72,12 @@ ARMS = {arm.name: arm for arm in [
     # The full method again under another seed (LoRA init, window sampling, selection): the seed-to-seed spread
     # that an ablation's effect has to exceed.
     Arm("ppow_seed1", "ppow", "KD warm start, then PPOW (full), seed 1", ppow={"seed": 1}),
+    Arm("eagle3_kd", "kd", "EAGLE-3 head, KD with 3-step training-time test, whole budget", drafter="eagle3"),
+    Arm("eagle3_ppow", "ppow", "EAGLE-3 head: KD warm start, then PPOW (full)", drafter="eagle3"),
 ]}
-# Evaluated, not trained: the KD arm's state at the warm-start point.
-WARM = "kd_warm"
+# Evaluated, not trained: each family's KD arm's state at the warm-start point.
+WARM = warm_start_of("truncated")
+WARM_STARTS = [warm_start_of(family) for family in KD_ARM]
 # The order arms run in: the two KD arms first (the warm start comes from `kd`), then PPOW and its ablations.
 ORDER = ["kd", "kd_tv", "ppow", "ppow_greedy", "ppow_no_cost", "ppow_no_prox", "ppow_uniform", "ppow_fixed_k",
-         "ppow_per_token", "ppow_seed1"]
+         "ppow_per_token", "ppow_seed1", "eagle3_kd", "eagle3_ppow"]

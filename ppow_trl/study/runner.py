@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .arms import ARMS, ORDER, WARM, Arm
+from .arms import ARMS, KD_ARM, ORDER, Arm, warm_start_of
 from .data import StudyData
 
 RESULTS = Path("benchmarks/results/study")
@@ -163,8 +163,9 @@ def run_arm(name: str, config: StudyConfig, results: Path = RESULTS, work: Path 
     result = _result(arm.name, arm.description, config, threads, budget, trained, policy, cost,
                      evaluate_arm(target, tokenizer, drafter, policy, tests, config, eos), train_seconds, trainer)
     _write(results / "arms" / f"{name}.json", result)
-    if arm.name == "kd":
-        _evaluate_warm(target, tokenizer, calibration, tests, config, eos, threads, results, work, budget)
+    if arm.saves_warm_start:
+        _evaluate_warm(warm_start_of(arm.drafter), target, tokenizer, calibration, tests, config, eos, threads, results,
+                       work, budget)
     return result
 
 
@@ -181,18 +182,18 @@ def _cost_and_policy(target, tokenizer, drafter, calibration, config: StudyConfi
     return cost, policy
 
 
-def _evaluate_warm(target, tokenizer, calibration, tests, config, eos, threads, results, work, budget) -> None:
-    """The KD arm's state at the warm-start point, evaluated like an arm (the start of every PPOW arm)."""
+def _evaluate_warm(name, target, tokenizer, calibration, tests, config, eos, threads, results, work, budget) -> None:
+    """A KD arm's state at the warm-start point, evaluated like an arm (the start of its family's PPOW arms)."""
     from ..models import load_target
 
-    drafter = load_target(str(work / WARM))
+    drafter = load_target(str(work / name))
     cost, policy = _cost_and_policy(target, tokenizer, drafter, calibration, config)
-    warm = json.loads((work / WARM / "warm_start.json").read_text())
+    warm = json.loads((work / name / "warm_start.json").read_text())
     history = [row for row in budget.history if row["train_seconds"] <= config.warm_seconds + 60]
-    result = _result(WARM, "KD state at the warm-start point (start of every PPOW arm)", config, threads,
+    result = _result(name, "KD state at the warm-start point (start of its family's PPOW arms)", config, threads,
                      None, warm, policy, cost, evaluate_arm(target, tokenizer, drafter, policy, tests, config, eos),
                      warm["train_seconds"], None, history=history)
-    _write(results / "arms" / f"{WARM}.json", result)
+    _write(results / "arms" / f"{name}.json", result)
 
 
 def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_vocab, probe, work: Path):
@@ -204,12 +205,19 @@ def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_voc
     from .data import train_topk
 
     topk = train_topk(target, train, config.data)
-    drafter = make_drafter(target, num_layers=config.drafter_layers, draft_vocab_ids=draft_vocab).train()
+    if arm.drafter == "eagle3":
+        from ..eagle3 import Eagle3DrafterForCausalLM
+        from .data import train_features
+
+        drafter = Eagle3DrafterForCausalLM.from_target(target, draft_vocab_ids=draft_vocab, seed=config.seed).train()
+        topk = train_features(target, topk, drafter.config.target_layer_ids, config.data)
+    else:
+        drafter = make_drafter(target, num_layers=config.drafter_layers, draft_vocab_ids=draft_vocab).train()
     milestones, holder = {}, {}
-    if arm.name == "kd":
+    if arm.saves_warm_start:
         def save_warm(model):
-            """The warm start of the PPOW arms: this arm's drafter after ``warm_seconds`` of training."""
-            folder = work / WARM
+            """The warm start of the family's PPOW arms: this arm's drafter after ``warm_seconds`` of training."""
+            folder = work / warm_start_of(arm.drafter)
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             _write(folder / "warm_start.json", {"train_seconds": budget.elapsed,
@@ -224,7 +232,7 @@ def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_voc
                     lr_scheduler_type="constant_with_warmup", warmup_steps=20, logging_steps=50, save_strategy="no",
                     report_to="none", disable_tqdm=True, max_length=640, seed=config.seed, use_cpu=True)
     trainer = holder["trainer"] = KDTrainer(model=drafter, args=args, train_dataset=topk, processing_class=tokenizer,
-                                            callbacks=[budget])
+                                            callbacks=[budget], target=target)
     trainer.train()
     return trainer.model.eval(), budget, trainer
 
@@ -238,11 +246,11 @@ def _train_ppow(arm: Arm, config: StudyConfig, target, tokenizer, train, calibra
     from ..ppow_trainer import PPOWTrainer
     from .budget import TrainingBudget
 
-    warm = work / WARM
+    warm = work / warm_start_of(arm.drafter)
     if not (warm / "warm_start.json").is_file():
-        raise FileNotFoundError(f"{warm} has no warm start: run the 'kd' arm first (it saves it).")
+        raise FileNotFoundError(f"{warm} has no warm start: run the '{arm.kd_arm}' arm first (it saves it).")
     if json.loads((warm / "warm_start.json").read_text()).get("config") != json.loads(json.dumps(config.to_dict())):
-        raise ValueError(f"{warm} was trained under another study config: rerun the 'kd' arm first.")
+        raise ValueError(f"{warm} was trained under another study config: rerun the '{arm.kd_arm}' arm first.")
     drafter = load_target(str(warm)).train()
     settings = dict(output_dir=str(work / "trainer" / arm.name), max_window=config.max_window,
                     window_threshold=config.window_threshold, num_generations=config.num_generations,
@@ -319,8 +327,9 @@ def run_arms(names: list[str], config: StudyConfig, jobs: int, results: Path = R
     todo = [n for n in ORDER if n in names and not finished(n, config, results)]
     budgets = {n: config.budget_seconds if ARMS[n].kind == "kd" else config.budget_seconds - config.warm_seconds
                for n in todo}
-    if "kd" in todo:  # the warm start is rebuilt with the KD arm: never start a PPOW arm from an old one
-        (work / WARM / "warm_start.json").unlink(missing_ok=True)
+    for family, kd_arm in KD_ARM.items():  # a warm start is rebuilt with its KD arm: never start from an old one
+        if kd_arm in todo:
+            (work / warm_start_of(family) / "warm_start.json").unlink(missing_ok=True)
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     logs = results / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -333,9 +342,13 @@ def run_arms(names: list[str], config: StudyConfig, jobs: int, results: Path = R
                     progress.update(1)
                     if process.returncode:
                         failed.append(name)
-            warm_ready = (work / WARM / "warm_start.json").is_file()
-            ready = [n for n in todo if not ARMS[n].starts_from_warm or warm_ready
-                     or ("kd" not in running and "kd" not in todo)]
+            def can_start(n):
+                arm = ARMS[n]
+                warm_ready = (work / warm_start_of(arm.drafter) / "warm_start.json").is_file()
+                return (not arm.starts_from_warm or warm_ready
+                        or (arm.kd_arm not in running and arm.kd_arm not in todo))
+
+            ready = [n for n in todo if can_start(n)]
             while ready and len(running) < jobs:
                 name = ready.pop(0)
                 todo.remove(name)
