@@ -248,3 +248,98 @@ def test_ppow_trains_a_chain_drafter_with_the_sampled_log_probs(trained, tmp_pat
     trainer.train()
     metrics = trainer.evaluate()
     assert metrics["eval_tau"] >= 1.0
+
+
+def _specforge_reference_logits(weights: dict, config: dict, token_ids, features):
+    """SpecForge's LlamaForCausalLMEagle3 step-0 math written out from its source (llama3_eagle.py), independent of
+    ppow_trl's modules: full-vocabulary logits (-inf outside the draft vocabulary) of every pair."""
+    def rms(x, w, eps=config["rms_norm_eps"]):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def linear(x, name):
+        return x @ weights[name].T
+
+    heads, kv, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    T = token_ids.shape[0]
+    emb = weights["embed_tokens.weight"][token_ids]
+    hidden = linear(features, "fc.weight")
+    residual = hidden
+    x = torch.cat([rms(emb, weights["midlayer.input_layernorm.weight"]),
+                   rms(hidden, weights["midlayer.hidden_norm.weight"])], -1)
+    q = linear(x, "midlayer.self_attn.q_proj.weight").view(T, heads, dim).transpose(0, 1)
+    k = linear(x, "midlayer.self_attn.k_proj.weight").view(T, kv, dim).transpose(0, 1)
+    v = linear(x, "midlayer.self_attn.v_proj.weight").view(T, kv, dim).transpose(0, 1)
+    inv = 1.0 / (config["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.arange(T).float()[:, None] * inv[None]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def rotate(t):
+        half = t.shape[-1] // 2
+        return t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin
+
+    q, k = rotate(q), rotate(k)
+    k, v = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
+    scores = (q @ k.transpose(-1, -2)) / dim**0.5 + torch.triu(torch.full((T, T), float("-inf")), 1)
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, heads * dim)
+    hidden = residual + linear(attn, "midlayer.self_attn.o_proj.weight")
+    post = rms(hidden, weights["midlayer.post_attention_layernorm.weight"])
+    mlp = linear(torch.nn.functional.silu(linear(post, "midlayer.mlp.gate_proj.weight"))
+                 * linear(post, "midlayer.mlp.up_proj.weight"), "midlayer.mlp.down_proj.weight")
+    draft = linear(rms(hidden + mlp, weights["norm.weight"]), "lm_head.weight")
+    full = torch.full((T, config["vocab_size"]), float("-inf"))
+    full[:, torch.arange(config["draft_vocab_size"]) + weights["d2t"]] = draft
+    return full
+
+
+def test_specforge_checkpoint_imports_with_its_own_math(tmp_path):
+    """A format-faithful SpecForge checkpoint built by hand (keys, d2t offsets, t2d mask, eagle_config ids in
+    SpecForge's 'output of layer k' convention, no embedding) loads, reads the right target layers and computes
+    SpecForge's logits; export/import round trips both layouts exactly."""
+    from safetensors.torch import save_file
+
+    target = make_tiny_llama(num_layers=6, seed=0)
+    H, V, used = 32, 64, torch.tensor([3, 5, 8, 13, 21, 34, 55, 60])
+    g = torch.Generator().manual_seed(0)
+    shapes = {"fc.weight": (H, 3 * H), "midlayer.hidden_norm.weight": (H,), "midlayer.input_layernorm.weight": (H,),
+              "midlayer.post_attention_layernorm.weight": (H,), "midlayer.self_attn.q_proj.weight": (32, 2 * H),
+              "midlayer.self_attn.k_proj.weight": (16, 2 * H), "midlayer.self_attn.v_proj.weight": (16, 2 * H),
+              "midlayer.self_attn.o_proj.weight": (H, 32), "midlayer.mlp.gate_proj.weight": (64, H),
+              "midlayer.mlp.up_proj.weight": (64, H), "midlayer.mlp.down_proj.weight": (H, 64), "norm.weight": (H,),
+              "lm_head.weight": (len(used), H)}
+    weights = {k: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else 0.2 * torch.randn(s, generator=g)
+               for k, s in shapes.items()}
+    weights["d2t"] = used - torch.arange(len(used))
+    weights["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill(0, used, True)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+              "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
+              "max_position_embeddings": 256, "vocab_size": V, "draft_vocab_size": len(used),
+              "tie_word_embeddings": False, "hidden_act": "silu",
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 5], "use_aux_hidden_state": True}}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+
+    drafter = Eagle3DrafterForCausalLM.from_pretrained(tmp_path, target=target)
+    assert drafter.config.target_layer_ids == [2, 3, 6]  # SpecForge's layer k output = hidden_states[k + 1]
+    assert drafter.draft_vocab_ids.tolist() == used.tolist()
+    sequence = torch.randint(4, 60, (1, 10), generator=g)
+    features = target_features(target, sequence, layer_ids=[2, 3, 6])
+    ours = drafter(input_ids=sequence[:, 1:], target_hidden_states=features[:, :-1]).logits[0]
+    reference = _specforge_reference_logits({**weights, "embed_tokens.weight": target.get_input_embeddings().weight},
+                                            config, sequence[0, 1:], features[0, :-1])
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
+
+    from ppow_trl.eagle3 import detect_format, export_eagle3, import_eagle3
+    for layout in ("specforge", "speculators"):
+        folder = export_eagle3(drafter, tmp_path / layout, format=layout, include_embeddings=layout == "speculators")
+        assert detect_format(folder) == layout
+        exported = __import__("json").loads((folder / "config.json").read_text())
+        back = import_eagle3(folder, target=target)
+        assert torch.equal(back(input_ids=sequence[:, 1:], target_hidden_states=features[:, :-1]).logits[0], ours)
+        assert back.config.target_layer_ids == [2, 3, 6] and exported["eagle_aux_hidden_state_layer_ids"] == [2, 3, 6]
+        assert exported["norm_before_residual"] is False
+    assert exported["speculators_config"]["algorithm"] == "eagle3"
+    assert __import__("json").loads((tmp_path / "specforge" / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == [1, 2, 5]
+    with pytest.raises(ValueError, match="pass target="):
+        import_eagle3(tmp_path / "specforge")  # no embedding in that export

@@ -28,6 +28,7 @@ Two ways to run it, which compute the same numbers (tested):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -294,8 +295,14 @@ class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel, Generatio
             )
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        model = super().from_pretrained(*args, **kwargs)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, target=None, **kwargs):
+        """``PreTrainedModel.from_pretrained``; a local folder in SpecForge's or speculators' EAGLE-3 layout is
+        imported instead (``ppow_trl.eagle3.convert.import_eagle3``; ``target`` fills a missing embedding)."""
+        from .convert import detect_format, import_eagle3
+
+        if Path(str(pretrained_model_name_or_path)).is_dir() and detect_format(pretrained_model_name_or_path):
+            return import_eagle3(pretrained_model_name_or_path, target=target)
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model.embed_tokens.weight.requires_grad_(False)  # the target's embedding stays frozen after loading too
         return model
 
