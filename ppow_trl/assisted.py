@@ -285,7 +285,7 @@ def _update_generation_config(folder: Path, policy: AdaptiveWindowPolicy, vocab_
     configure_generation_config(config, policy, vocab_size).save_pretrained(folder)
 
 
-def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, **from_pretrained_kwargs):
+def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, target=None, **from_pretrained_kwargs):
     """Load a drafter saved by ``save_assistant`` (or ``PPOWTrainer`` + merge) with its window rule installed.
 
     ``folder_or_repo`` is a local folder or a Hub repo id. ``from_pretrained_kwargs`` go to
@@ -303,7 +303,9 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, **from_pr
       transformers skipped the folder's hook (``generation_config=`` passed, or a folder without
       ``custom_generate/``) ppow_trl's is installed.
 
-    Pass the result as ``target.generate(..., assistant_model=drafter)``.
+    Pass the result as ``target.generate(..., assistant_model=drafter)``. A drafter that reads the target's
+    hidden states (EAGLE-3, ``ppow_trl.eagle3``) needs ``target=``: hooks on the target hand it the features
+    (``ppow_trl.eagle3.attach_to_target``; no remote code on that route).
     """
     from transformers import AutoModelForCausalLM
 
@@ -332,6 +334,16 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, **from_pr
     if getattr(drafter, "_hf_peft_config_loaded", False):
         raise ValueError(f"{folder_or_repo} holds a PEFT adapter. " + _PEFT_MESSAGE)
     vocab_size = _saved_vocab_size(source, hub_kwargs)
+    from .drafting import reads_target_features
+
+    if reads_target_features(drafter):
+        if target is None:
+            raise ValueError(f"{folder_or_repo} holds a drafter that reads the target's hidden states: pass "
+                             "load_assistant(folder, target=target) so it can hook the target.")
+        from .eagle3.assisted import attach_to_target
+
+        attach_to_target(drafter, target, policy, vocab_size)
+        return drafter
     if not trust_remote_code:
         return attach_window_policy(drafter, policy, vocab_size)
     configure_generation_config(drafter.generation_config, policy, vocab_size)

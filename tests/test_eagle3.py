@@ -343,3 +343,37 @@ def test_specforge_checkpoint_imports_with_its_own_math(tmp_path):
         "eagle_aux_hidden_state_layer_ids"] == [1, 2, 5]
     with pytest.raises(ValueError, match="pass target="):
         import_eagle3(tmp_path / "specforge")  # no embedding in that export
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_hf_assisted_generation_is_lossless_with_the_adaptive_window(trained, tmp_path, do_sample):
+    """target.generate(assistant_model=drafter) through the feature hooks: greedy output equals plain greedy and
+    each round's window is the one our loop drafts (same rule, same state); sampling runs and stays in the
+    target's support (its law is HF's own speculative sampling, tested by transformers)."""
+    from ppow_trl.assisted import load_assistant, save_assistant
+
+    target, drafter = trained["target"], trained["drafter"]
+    policy = AdaptiveWindowPolicy(max_window=4, threshold=0.3)
+    save_assistant(drafter, tmp_path / "drafter", policy=policy, tokenizer=trained["tokenizer"])
+    with pytest.raises(ValueError, match="target=target"):
+        load_assistant(tmp_path / "drafter")
+    assistant = load_assistant(tmp_path / "drafter", target=target)
+    rounds = []
+    original = assistant.generate
+    assistant.generate = lambda *a, **k: rounds.append(original(*a, **k)) or rounds[-1]
+    for prompt in trained["responses"]["prompt_ids"][:4]:
+        prompt = torch.tensor([prompt])
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=14, pad_token_id=0, eos_token_id=None)
+        rounds.clear()
+        torch.manual_seed(0)
+        out = target.generate(prompt, assistant_model=assistant, do_sample=do_sample, max_new_tokens=14,
+                              pad_token_id=0, eos_token_id=None, top_k=0)
+        assert len(rounds) > 1
+        if do_sample:
+            assert out.shape == plain.shape and torch.equal(out[:, : prompt.shape[1]], prompt)
+            continue
+        assert torch.equal(out, plain)
+        ours = speculative_generate(target, drafter, prompt, policy=policy, max_new_tokens=14, eos_token_id=[])
+        # HF asks for no window when one token is left (its cap is max_new_tokens - 1, like ours)
+        assert [len(r.scores) for r in rounds] == [d for d in ours.drafted_per_round if d]
+    assistant._ppow_feature_tap.remove()

@@ -1,6 +1,7 @@
 """EAGLE-3-style drafters: heads that read the target's hidden states (a drafter family, see ``ppow_trl.drafting``)."""
 
 from .configuration_eagle3 import Eagle3DrafterConfig, default_target_layer_ids
+from .assisted import TargetFeatureTap, attach_to_target, chain_generate
 from .convert import detect_format, export_eagle3, import_eagle3
 from .features import context_features, select_features, target_features, target_forward
 from .modeling_eagle3 import ChainCache, Eagle3DrafterForCausalLM, Eagle3DrafterOutput
@@ -16,6 +17,9 @@ def __getattr__(name):
 
 __all__ = [
     "ChainCache",
+    "TargetFeatureTap",
+    "attach_to_target",
+    "chain_generate",
     "compute_target_features",
     "feature_bytes",
     "context_features",

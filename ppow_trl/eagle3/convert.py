@@ -141,8 +141,10 @@ def detect_format(folder) -> str | None:
     config = json.loads(path.read_text())
     if config.get("speculators_model_type") == "eagle3":
         return "speculators"
-    if any("Eagle3" in name for name in config.get("architectures") or []) or "draft_vocab_size" in config and \
-            config.get("model_type") == "llama":
+    if config.get("model_type") == Eagle3DrafterConfig.model_type:
+        return None  # ours (save_pretrained): loaded by transformers as usual
+    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) or (
+            "draft_vocab_size" in config and config.get("model_type") == "llama"):
         return "specforge"
     return None
 
