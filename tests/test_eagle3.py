@@ -377,3 +377,34 @@ def test_hf_assisted_generation_is_lossless_with_the_adaptive_window(trained, tm
         # HF asks for no window when one token is left (its cap is max_new_tokens - 1, like ours)
         assert [len(r.scores) for r in rounds] == [d for d in ours.drafted_per_round if d]
     assistant._ppow_feature_tap.remove()
+
+
+@pytest.mark.slow
+def test_offline_smollm2_routes_are_lossless(tmp_path):
+    """The real target (SmolLM2-135M-Instruct, 30 layers, EAGLE-3's default layers 2/15/27): our loop, exact greedy
+    tau and HF's assisted route with the hooks all reproduce plain greedy (an untrained head: the mechanics, not the
+    acceptance)."""
+    from transformers import AutoTokenizer
+
+    from ppow_trl.assisted import load_assistant, save_assistant
+    from ppow_trl.models import load_target
+    from ppow_trl.offline import smollm2_path
+
+    target = load_target(smollm2_path())
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    drafter = Eagle3DrafterForCausalLM.from_target(target, draft_vocab_ids=range(4096))
+    assert drafter.config.target_layer_ids == [2, 15, 27]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                        add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    mask = torch.ones_like(ids)  # the prompt holds <|im_end|> = the pad id: HF would mask it without this
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=None)
+    policy = AdaptiveWindowPolicy(3, 0.0)
+    ours = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(ours.sequences, plain[:, : ours.sequences.shape[1]])
+    exact = exact_greedy_tau(target, drafter, ids, policy=policy, max_new_tokens=12, eos_token_id=[])
+    assert exact.accepted_per_round == ours.accepted_per_round
+    save_assistant(drafter, tmp_path, policy=policy, tokenizer=tokenizer)
+    assistant = load_assistant(tmp_path, target=target)
+    assert torch.equal(target.generate(ids, attention_mask=mask, assistant_model=assistant, do_sample=False,
+                                       max_new_tokens=12, eos_token_id=None), plain)
+    assistant._ppow_feature_tap.remove()
