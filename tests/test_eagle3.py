@@ -408,3 +408,46 @@ def test_offline_smollm2_routes_are_lossless(tmp_path):
     assert torch.equal(target.generate(ids, attention_mask=mask, assistant_model=assistant, do_sample=False,
                                        max_new_tokens=12, eos_token_id=None), plain)
     assistant._ppow_feature_tap.remove()
+
+
+def test_bench_takes_chain_drafters(trained, tmp_path, capsys):
+    """python -m ppow_trl.bench: an EAGLE-3 drafter runs under our loop and the HF hook route (lossless); HF's own
+    assistant schedules, which cannot hand it the target's features, are skipped with a message."""
+    import json
+
+    from ppow_trl.bench import BenchDrafter, main
+
+    if trained["name"] != "llama":
+        pytest.skip("one family member is enough for the CLI")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": " ".join(f"w{(7 * i + j) % 56}" for j in range(6))})
+                               + "\n" for i in range(2)))
+    drafters = [BenchDrafter("eagle3", trained["drafter"], AdaptiveWindowPolicy(max_window=4, threshold=0.3))]
+    report = main(["--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "12", "--modes", "greedy",
+                   "--methods", "target", "hf_assisted", "hook", "fast_adaptive", "--output", str(tmp_path / "b"),
+                   "--no-progress", "--cost-repeats", "1", "--warmup-tokens", "2"],
+                  target=trained["target"], tokenizer=trained["tokenizer"], drafters=drafters)
+    assert "hf_assisted skipped for eagle3" in capsys.readouterr().err
+    assert {r["method"] for r in report["records"]} == {"target", "hook", "fast_adaptive"}
+    assert all(r["lossless"] for r in report["records"])
+    assert max(r["tau"] for r in report["records"] if r["method"] == "fast_adaptive") > 1.0
+
+
+def test_hf_route_does_not_reuse_another_prompts_features(trained, tmp_path):
+    """Two generate calls with different prompts of equal length through one attached assistant: each equals
+    plain greedy (the second must not read the first one's hooked features)."""
+    from ppow_trl.eagle3 import attach_to_target
+
+    target, drafter = trained["target"], trained["drafter"]
+    tap = attach_to_target(drafter, target, AdaptiveWindowPolicy(4, 0.0))
+    try:
+        prompts = [torch.tensor([trained["responses"]["prompt_ids"][i]]) for i in range(6)]
+        prompts = [p for p in prompts if p.shape[1] == prompts[0].shape[1]][:2] or prompts[:2]
+        for prompt in prompts + prompts[::-1]:
+            plain = target.generate(prompt, do_sample=False, max_new_tokens=10, pad_token_id=0, eos_token_id=None)
+            out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=10, pad_token_id=0,
+                                  eos_token_id=None)
+            assert torch.equal(out, plain)
+    finally:
+        tap.remove()
+        del drafter.generate  # back to the class's generate

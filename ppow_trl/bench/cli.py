@@ -12,6 +12,8 @@ import torch
 
 from ..cost import CostModel, calibrate_cost_model
 from ..data import PROMPT_SOURCES, encode_prompt, load_prompts
+from ..drafting import reads_target_features
+from ..eagle3 import detect_format, import_eagle3
 from ..models import check_compatibility, load_target, make_drafter
 from ..utils import set_cpu_threads
 from ..windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
@@ -86,7 +88,12 @@ def _load_drafters(args, target, tokenizer, dtype) -> list[BenchDrafter]:
     drafters = []
     default_policy = AdaptiveWindowPolicy(max_window=args.max_window, threshold=args.threshold)
     for path in args.drafter:
-        model = load_target(path, torch_dtype=dtype).to(next(target.parameters()).device)
+        if detect_format(path):  # an EAGLE-3 head in SpecForge's or speculators' layout
+            model = import_eagle3(path, target=target).to(device=next(target.parameters()).device, dtype=dtype)
+        else:
+            model = load_target(path, torch_dtype=dtype).to(next(target.parameters()).device)
+        family = "feature-conditioned (EAGLE-3)" if reads_target_features(model) else "standalone"
+        print(f"[bench] {path}: {type(model).__name__}, {family} drafter", file=sys.stderr)
         has_policy = (Path(path) / WINDOW_POLICY_FILE).is_file()
         policy = AdaptiveWindowPolicy.from_pretrained(path) if has_policy else default_policy
         if not has_policy:

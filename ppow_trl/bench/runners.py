@@ -7,6 +7,7 @@ statistics; ``CallCounter`` counts the models' forwards while it runs (``timing.
 from __future__ import annotations
 
 import copy
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,17 +128,30 @@ class _Runner:
         return out.new_tokens, extra
 
 
+def applies(method: str, drafter: BenchDrafter | None) -> bool:
+    """Whether ``method`` can run ``drafter``: HF's own assistant schedules call the drafter's ``generate`` as a
+    causal LM, which a drafter reading the target's hidden states cannot do (it runs as ``hook`` and ``fast_*``)."""
+    from ..drafting import reads_target_features
+
+    return drafter is None or method not in HF_SCHEDULES or not reads_target_features(drafter.model)
+
+
 def _make_runners(methods, drafters, target, stop_ids, pad_id, vocab_size, assistants, lookup_k):
     runners = []
     for method in methods:
         for drafter in (drafters if method in DRAFTER_METHODS else [None]):
+            if not applies(method, drafter):
+                print(f"[bench] {method} skipped for {drafter.name}: it reads the target's hidden states, which HF's "
+                      "own assistant schedules do not hand it (measured under 'hook' and 'fast_*').", file=sys.stderr)
+                continue
             assistant = assistants.get(drafter.name) if drafter is not None else None
             runners.append(_Runner(method, drafter, target, stop_ids, pad_id, vocab_size, lookup_k, assistant))
     return runners
 
 
-def _hook_assistant(drafter: BenchDrafter, tokenizer, folder: Path):
-    """Save ``drafter`` with ``ppow_trl.assisted`` and load it back (imported here: the module is optional)."""
+def _hook_assistant(drafter: BenchDrafter, tokenizer, folder: Path, target=None):
+    """Save ``drafter`` with ``ppow_trl.assisted`` and load it back (imported here: the module is optional); a
+    feature-conditioned drafter is attached to ``target`` (its hooks are removed with ``close_assistant``)."""
     from ..assisted import load_assistant, save_assistant
 
     original = copy.deepcopy(drafter.model.generation_config)  # save_assistant also sets the in-memory config
@@ -146,5 +160,12 @@ def _hook_assistant(drafter: BenchDrafter, tokenizer, folder: Path):
     finally:
         drafter.model.generation_config = original
     parameter = next(drafter.model.parameters())
-    return load_assistant(folder).to(device=parameter.device, dtype=parameter.dtype).eval()
+    return load_assistant(folder, target=target).to(device=parameter.device, dtype=parameter.dtype).eval()
+
+
+def close_assistant(assistant) -> None:
+    """Remove the target hooks of a feature-conditioned assistant (a no-op for the others)."""
+    tap = getattr(assistant, "_ppow_feature_tap", None)
+    if tap is not None:
+        tap.remove()
 

@@ -31,6 +31,7 @@ from .runners import (
     BenchDrafter,
     CallCounter,
     _hook_assistant,
+    close_assistant,
     _make_runners,
 )
 
@@ -118,7 +119,8 @@ def run_benchmark(
         assistants = {}
         if "hook" in methods:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ppow_bench_")))
-            assistants = {d.name: _hook_assistant(d, tokenizer, folder / d.name) for d in drafters}
+            assistants = {d.name: _hook_assistant(d, tokenizer, folder / d.name, target) for d in drafters}
+            stack.callback(lambda: [close_assistant(a) for a in assistants.values()])
         for drafter in drafters:
             counter.watch(f"drafter:{drafter.name}", drafter.model)
             if drafter.name in assistants:

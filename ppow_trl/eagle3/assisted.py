@@ -145,10 +145,12 @@ def chain_generate(*args, model, input_ids=None, generation_config=None, logits_
     sequence = input_ids[0].tolist()
     committed = len(sequence)
     session = model._ppow_session
-    if session is None or session.read != sequence[: len(session.read)]:  # a new generate call
+    # A new generate call (or the same committed ids again, e.g. a repeated prompt): start from the features.
+    fresh = session is None or len(session.read) >= committed or session.read != sequence[: len(session.read)]
+    if fresh:
         session = model._ppow_session = ChainSession(model)
         session.read = []
-    if len(tap) < committed - 1:  # HF asks for candidates before the target has run: prefill its features once
+    if fresh or len(tap) < committed - 1:  # HF asks for candidates before the target has run: its features, once
         with tap.paused():
             tap.features = target_features(tap.target, input_ids[:, :-1].to(tap.target.device),
                                            layer_ids=tap.layer_ids)[0]
@@ -175,6 +177,6 @@ def chain_generate(*args, model, input_ids=None, generation_config=None, logits_
             break
         logits = session.step(token[0])
     session.rollback(committed)  # the drafted pairs carried the drafter's own states: HF verifies, we re-read
-    if not scores:  # nothing to draft from (one-token prompt): propose the target's own choice? HF needs a token
-        raise RuntimeError("An EAGLE-3 drafter needs a prompt of at least 2 tokens.")
+    if not scores:  # HF's loop needs at least one candidate
+        raise RuntimeError("An EAGLE-3 drafter needs a prompt of at least 2 tokens (one pair to draft from).")
     return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), cache=None)

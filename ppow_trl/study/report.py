@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .arms import ORDER, WARM
+from .arms import ARMS, KD_ARM, ORDER, WARM, WARM_STARTS, warm_start_of
 from .evaluate import paired_ratio_interval, summarize
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 BASELINE = "kd"
 TEST_SETS = {"mtbench": "MT-bench first turns", "sharegpt_test": "held-out ShareGPT prompts (test split, <= 512 tokens)"}
-ARM_ORDER = [WARM] + ORDER
+# Each family's warm start is listed right before the family's first PPOW arm (the truncated one first of all).
+ARM_ORDER = [WARM] + [n for name in ORDER for n in ([warm_start_of("eagle3")] if name == "eagle3_ppow" else []) + [name]]
 RATIO_NAMES = {"accepted": "expected_accepted", "tokens": "tau"}
 
 
@@ -35,7 +36,7 @@ def summarize_arms(arms: dict[str, dict]) -> dict:
     base = arms.get(BASELINE)
     for name, arm in arms.items():
         row = {"description": arm["description"], "budget": arm["budget"], "policy": arm["policy"],
-               "drafter_cost": arm["cost_model"]["drafter_cost"]}
+               "drafter_cost": arm["cost_model"]["drafter_cost"], "verify_cost": arm["cost_model"]["verify_cost"]}
         # Greedy records carry tokens (tau is exact); T = 1 records only E[A|y] (tau = E[A] + 1, same ratio terms).
         for regime, numerators in (("greedy", ("accepted", "tokens")), ("sampling", ("accepted",))):
             row[regime] = {}
@@ -48,10 +49,30 @@ def summarize_arms(arms: dict[str, dict]) -> dict:
                         entry["ratio_to_kd"] = {
                             RATIO_NAMES[n]: paired_ratio_interval(records, reference, n) for n in numerators}
                     row[regime][test][key] = entry
+        warm = _warm_of(name)
+        if warm is not None and warm in arms:  # PPOW over its own family's KD warm start, paired over prompts
+            for regime, numerators in (("greedy", ("accepted", "tokens")), ("sampling", ("accepted",))):
+                for test, by_policy in arm["evaluation"][regime].items():
+                    for key, records in by_policy.items():
+                        reference = arms[warm]["evaluation"][regime][test][key]
+                        row[regime][test][key]["ratio_to_warm"] = {
+                            RATIO_NAMES[n]: paired_ratio_interval(records, reference, n) for n in numerators}
         calibration = arm["policy"].get("calibration") or {}
         row["predicted_speedup"] = calibration.get("predicted_speedup")
         out[name] = row
     return out
+
+
+def _warm_of(name: str) -> str | None:
+    """The warm start a PPOW arm continues (its family's), ``None`` for the other arms."""
+    arm = ARMS.get(name)
+    return warm_start_of(arm.drafter) if arm is not None and arm.starts_from_warm else None
+
+
+def _family(name: str) -> str:
+    if name in WARM_STARTS:
+        return next(family for family in KD_ARM if warm_start_of(family) == name)
+    return ARMS[name].drafter if name in ARMS else "truncated"
 
 
 def _ci(values, digits=2) -> str:
@@ -105,11 +126,32 @@ def format_tables(summary: dict, wallclock: dict | None) -> str:
             continue
         policy, fixed = sampling["policy"], sampling["fixed_k"]
         predicted = row["predicted_speedup"]
-        warm = summary[WARM]["budget"] if name.startswith("ppow") and WARM in summary else None
+        warm = summary[_warm_of(name)]["budget"] if _warm_of(name) in summary else None
         lines.append(f"| {name} | {policy['tau']:.3f} {_ci(policy['tau_ci'], 3)} | {_ratio(policy)} | "
                      f"{fixed['tau']:.3f} {_ci(fixed['tau_ci'], 3)} | {_ratio(fixed)} | {row['drafter_cost']:.3f} | "
                      f"{'-' if predicted is None else f'{predicted:.2f}x'} | {_budget(row['budget'], warm)} |")
     lines.append("")
+    families = [name for name in summary if _family(name) != "truncated"]
+    if families:
+        lines += ["**Drafter families** (MT-bench, greedy, exact tau at each arm's calibrated policy; t_d/t_t and "
+                  "t_v(L)/t_t measured by `calibrate_cost_model` on this CPU, per drafted token; predicted speedup = "
+                  "the cost model's on the calibration contexts; PPOW / warm = E[A] of a PPOW arm over its own "
+                  "family's KD warm start, paired over prompts)", "",
+                  "| arm | family | tau [95% CI] | E[A] / KD (truncated) | PPOW / its warm start | t_d/t_t | "
+                  "t_v(1..K)/t_t | predicted speedup |", "|---|---|---|---|---|---|---|---|"]
+        for name, row in summary.items():
+            if _family(name) == "truncated" and name not in ("kd", "kd_warm", "ppow", "ppow_greedy"):
+                continue
+            greedy = row["greedy"]["mtbench"]["policy"]
+            to_warm = greedy.get("ratio_to_warm")
+            warm = "-" if not to_warm else f"{to_warm['expected_accepted']['ratio']:.2f} " \
+                f"{_ci(to_warm['expected_accepted']['ci'])}"
+            verify = "/".join(f"{v:.2f}" for v in row["verify_cost"][1:])
+            predicted = row["predicted_speedup"]
+            lines.append(f"| {name} | {_family(name)} | {greedy['tau']:.3f} {_ci(greedy['tau_ci'], 3)} | "
+                         f"{_ratio(greedy)} | {warm} | {row['drafter_cost']:.3f} | {verify} | "
+                         f"{'-' if predicted is None else f'{predicted:.2f}x'} |")
+        lines.append("")
     if wallclock:
         lines += ["**Wall-clock** (`ppow_trl.bench`, 8 MT-bench prompts, 64 new tokens, greedy, interleaved "
                   "prompt by prompt, 1 thread; speedup = median over prompts of tokens/s ratio to the target)", "",
@@ -130,7 +172,7 @@ def plot_curves(arms: dict, path: Path) -> Path | None:
 
     figure, axis = plt.subplots(figsize=(7, 4))
     for name, arm in arms.items():
-        if name == WARM or not arm.get("curve"):
+        if name in WARM_STARTS or not arm.get("curve"):
             continue
         xs = [row["train_seconds"] / 60 for row in arm["curve"]]
         ys = [row["held_out_tau_fixed_k"] for row in arm["curve"]]
