@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .drafter import PPOWDrafterForCausalLM
+from .drafter import PPOWDrafterForCausalLM, ReducedVocabHeadMixin
 from .offline import smollm2_path
 from .utils import require_package
 
@@ -349,7 +349,7 @@ def check_compatibility(target, drafter, target_tokenizer, drafter_tokenizer=Non
     if input_rows < vocab_size:
         raise ValueError(f"The drafter embeds {input_rows} token ids but the tokenizer has {vocab_size} tokens.")
     base = _unwrap(drafter)
-    if isinstance(base, PPOWDrafterForCausalLM) and int(base.draft_vocab_ids.max()) >= vocab_size:
+    if isinstance(base, ReducedVocabHeadMixin) and int(base.draft_vocab_ids.max()) >= vocab_size:
         raise ValueError(
             f"The drafter's draft vocabulary holds ids up to {int(base.draft_vocab_ids.max())}, "
             f"outside the tokenizer's {vocab_size} tokens."
@@ -378,7 +378,7 @@ def _check_same_tokenizer(target_tokenizer, drafter_tokenizer) -> None:
 def output_vocab_rows(model) -> int:
     """Width of the logits `model` returns (padded rows included)."""
     model = _unwrap(model)
-    if isinstance(model, PPOWDrafterForCausalLM):
+    if isinstance(model, ReducedVocabHeadMixin):
         return model.config.full_vocab_size  # the reduced head has fewer rows than the logits
     head = model.get_output_embeddings()
     # `out_features` rather than `weight.shape`: bitsandbytes packs 4-bit weights into another shape.

@@ -92,3 +92,41 @@ def test_missing_target_and_incompatible_drafter_fail_naming_the_field(tmp_path)
     script, training, model = parser.parse_args_and_config(args=args)
     with pytest.raises(ValueError, match="--drafter_model"):
         ppow_llama.main(script, training, model)
+
+
+def test_eagle3_pipeline_runs_on_tiny_models(tmp_path):
+    """drafter_type: eagle3 end to end: cached features, KD with TTT, PPOW with LoRA on the head, calibration,
+    evaluation, the merged head saved as an assistant (HF route through the target hooks) and exported in
+    SpecForge's layout (re-imported with identical logits)."""
+    target_dir = tmp_path / "target"
+    make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5).save_pretrained(target_dir)
+    make_tiny_tokenizer().save_pretrained(target_dir)
+    args = [
+        "--target_model", str(target_dir), "--drafter_type", "eagle3", "--eagle3_layer_ids", "0", "1", "2",
+        "--ttt_steps", "2", "--export_format", "specforge", "--draft_vocab_size", "40",
+        "--train_prompts", str(write_prompts(tmp_path / "train.jsonl", 10, 0)), "--num_train_prompts", "10",
+        "--max_new_tokens", "8", "--kd_steps", "2",
+        "--eval_prompts", str(write_prompts(tmp_path / "eval.jsonl", 2, 1)), "--num_eval_prompts", "2",
+        "--eval_max_new_tokens", "6", "--merge_adapter", "True", "--cache_dir", str(tmp_path / "cache"),
+        "--output_dir", str(tmp_path / "out"), "--max_window", "3", "--num_generations", "4",
+        "--per_device_train_batch_size", "8", "--max_steps", "2", "--report_to", "none", "--save_strategy", "no",
+        "--drafter_cost", "0.3", "--verify_cost", "1.0", "1.4", "1.6", "1.8",
+        "--use_peft", "True", "--lora_r", "4", "--lora_target_modules", "fc", "q_proj", "v_proj",
+    ]
+    script, training, model = ppow_llama.make_parser().parse_args_and_config(args=args)
+    trainer = ppow_llama.main(script, training, model)
+    out = tmp_path / "out"
+    assert trainer.state.global_step == 2 and (out / "README.md").exists()
+    assert "EAGLE-3 head" in (out / "README.md").read_text()
+    from ppow_trl.assisted import load_assistant
+    from ppow_trl.eagle3 import import_eagle3, target_features
+
+    target = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5)
+    assistant = load_assistant(out / "merged", target=target)
+    ids = torch.tensor([[2, 4, 9, 10, 3, 2, 5]])
+    assert torch.equal(target.generate(ids, assistant_model=assistant, do_sample=False, max_new_tokens=8),
+                       target.generate(ids, do_sample=False, max_new_tokens=8))
+    exported = import_eagle3(out / "eagle3-specforge", target=target)
+    features = target_features(target, ids, layer_ids=[0, 1, 2])
+    torch.testing.assert_close(exported(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1]).logits,
+                               assistant(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1]).logits)
