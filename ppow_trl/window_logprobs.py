@@ -53,6 +53,17 @@ def head_rows_and_labels(model, vocab_size: int) -> tuple[torch.Tensor, torch.Te
     return rows, lookup
 
 
+def window_labels(model, window_ids: torch.Tensor, window_mask: torch.Tensor, vocab_size: int):
+    """``(rows, labels, valid)``: the head rows the rollout sampled from, each window token's position among them
+    and the real (unpadded) window slots. A real token the drafter cannot propose is an error (it was not sampled)."""
+    rows, lookup = head_rows_and_labels(model, vocab_size)
+    labels = lookup[window_ids.clamp(0, len(lookup) - 1).to(lookup.device)].to(window_ids.device)
+    valid = window_mask.bool()
+    if (labels[valid] < 0).any():
+        raise ValueError("A window token lies outside the drafter's vocabulary: it cannot have been sampled from it.")
+    return rows, labels, valid
+
+
 def logit_transform(model) -> tuple[float | None, float]:
     """``(final_logit_softcapping, logit_scale)`` of the model's text config (None / 1.0 when absent)."""
     config = model.config.get_text_config()
@@ -129,11 +140,7 @@ def shared_context_window_logprobs(
         hidden.append(window_out.last_hidden_state)  # predicts y_2..y_C
     hidden = torch.cat(hidden, dim=1)
 
-    rows, lookup = head_rows_and_labels(model, vocab_size)
-    labels = lookup[window_ids.clamp(0, len(lookup) - 1)]
-    valid = window_mask.bool()
-    if (labels[valid] < 0).any():
-        raise ValueError("A window token lies outside the drafter's vocabulary: it cannot have been sampled from it.")
+    rows, labels, valid = window_labels(model, window_ids, window_mask, vocab_size)
     head = model.get_output_embeddings()
     weight = head.weight if len(rows) == head.weight.shape[0] else head.weight[rows]
     bias = None if head.bias is None else (head.bias if len(rows) == head.bias.shape[0] else head.bias[rows])
@@ -205,11 +212,7 @@ def chain_window_logprobs(
         logits.append(out.draft_logits[:, -1])
     logits = torch.stack(logits, dim=1)  # (B, C, draft rows)
 
-    rows, lookup = head_rows_and_labels(model, vocab_size)
-    labels = lookup[window_ids.clamp(0, len(lookup) - 1)].to(device)
-    valid = window_mask.bool().to(device)
-    if (labels[valid] < 0).any():
-        raise ValueError("A window token lies outside the drafter's vocabulary: it cannot have been sampled from it.")
+    rows, labels, valid = window_labels(model, window_ids.to(device), window_mask.to(device), vocab_size)
     logits = logits[..., rows]
     if cast_lm_head_to_fp32:
         logits = logits.float()
