@@ -10,6 +10,8 @@ from . import _compat  # noqa: F401
 # AutoModelForCausalLM, so `AutoModelForCausalLM.from_pretrained(saved_drafter)` works after `import ppow_trl`.
 from .cost import CostModel, calibrate_cost_model, overall_speedup, speedup
 from .drafter import PPOWDrafterConfig, PPOWDrafterForCausalLM
+# Registers the `ppow_eagle3` model type too (EAGLE-3 heads reading the target's hidden states).
+from .eagle3 import Eagle3DrafterConfig, Eagle3DrafterForCausalLM
 from .generation import exact_greedy_tau, speculative_generate
 from .kd_trainer import KDConfig, KDTrainer
 from .models import OFFLINE_TARGET, build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter
@@ -29,6 +31,8 @@ from .windowing import AdaptiveWindowPolicy, calibrate_window_policy, divergence
 __all__ = [
     "AdaptiveWindowPolicy",
     "CostModel",
+    "Eagle3DrafterConfig",
+    "Eagle3DrafterForCausalLM",
     "KDConfig",
     "KDTrainer",
     "OFFLINE_TARGET",

@@ -451,3 +451,31 @@ def test_hf_route_does_not_reuse_another_prompts_features(trained, tmp_path):
     finally:
         tap.remove()
         del drafter.generate  # back to the class's generate
+
+
+def test_hf_route_sampling_matches_target_distribution():
+    """Chi-square through target.generate(assistant_model=...): the q HF verifies with is the distribution the
+    head sampled from, so the first two new tokens follow the target's own law (bigram target, vocab 4)."""
+    from ppow_trl.eagle3 import attach_to_target
+
+    vocab, prompt = 4, torch.tensor([[1, 2]])
+    g = torch.Generator().manual_seed(0)
+    target = make_bigram_llama(torch.randn(vocab, vocab, generator=g) * 1.2, num_layers=2)
+    target.generation_config.pad_token_id = 0
+    torch.manual_seed(3)
+    drafter = Eagle3DrafterForCausalLM.from_target(target, target_layer_ids=[0, 1, 2])
+    tap = attach_to_target(drafter, target, AdaptiveWindowPolicy(3, 0.0))
+    with torch.no_grad():
+        step = torch.softmax(target(torch.arange(vocab)[None]).logits[0], -1)
+        first = torch.softmax(target(prompt).logits[0, -1], -1)
+    expected = (first[:, None] * step).flatten().double()
+    counts = torch.zeros(vocab * vocab, dtype=torch.double)
+    torch.manual_seed(5)
+    samples = 600
+    for _ in range(samples):
+        out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, do_sample=True,
+                              top_k=0, max_new_tokens=3, eos_token_id=None)
+        counts[int(out[0, 2]) * vocab + int(out[0, 3])] += 1
+    tap.remove()
+    _, p_value = chisquare(counts.numpy(), (expected / expected.sum() * samples).numpy())
+    assert p_value > 1e-3
