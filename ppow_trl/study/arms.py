@@ -31,6 +31,7 @@ class Arm:
     kd_loss: str = "forward_kl"
     ppow: dict = field(default_factory=dict)
     drafter: str = "truncated"
+    kd: dict = field(default_factory=dict)  # KDConfig fields over the study's (e.g. learning_rate, ttt_steps)
 
     @property
     def starts_from_warm(self) -> bool:
@@ -74,10 +75,15 @@ ARMS = {arm.name: arm for arm in [
     Arm("ppow_seed1", "ppow", "KD warm start, then PPOW (full), seed 1", ppow={"seed": 1}),
     Arm("eagle3_kd", "kd", "EAGLE-3 head, KD with 3-step training-time test, whole budget", drafter="eagle3"),
     Arm("eagle3_ppow", "ppow", "EAGLE-3 head: KD warm start, then PPOW (full)", drafter="eagle3"),
+    # What limits the fresh head at this budget: its learning rate (a new layer, not a pretrained one) and TTT depth.
+    Arm("eagle3_kd_lr2e-3", "kd", "EAGLE-3 head, KD with TTT, learning rate 2e-3", drafter="eagle3",
+        kd={"learning_rate": 2e-3}),
+    Arm("eagle3_kd_ttt1", "kd", "EAGLE-3 head, KD without training-time test (1 step)", drafter="eagle3",
+        kd={"ttt_steps": 1}),
 ]}
 # Evaluated, not trained: each family's KD arm's state at the warm-start point.
 WARM = warm_start_of("truncated")
 WARM_STARTS = [warm_start_of(family) for family in KD_ARM]
 # The order arms run in: the two KD arms first (the warm start comes from `kd`), then PPOW and its ablations.
 ORDER = ["kd", "kd_tv", "ppow", "ppow_greedy", "ppow_no_cost", "ppow_no_prox", "ppow_uniform", "ppow_fixed_k",
-         "ppow_per_token", "ppow_seed1", "eagle3_kd", "eagle3_ppow"]
+         "ppow_per_token", "ppow_seed1", "eagle3_kd", "eagle3_ppow", "eagle3_kd_lr2e-3", "eagle3_kd_ttt1"]

@@ -227,10 +227,11 @@ def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_voc
         milestones[config.warm_seconds] = save_warm
     budget = TrainingBudget(config.budget_seconds, probe=probe, probe_every=config.probe_every_seconds,
                             milestones=milestones)
-    args = KDConfig(output_dir=tempfile.mkdtemp(prefix=f"study-{arm.name}-"), loss=arm.kd_loss, max_steps=10**6,
+    settings = dict(output_dir=tempfile.mkdtemp(prefix=f"study-{arm.name}-"), loss=arm.kd_loss, max_steps=10**6,
                     per_device_train_batch_size=config.kd_batch_size, learning_rate=config.kd_learning_rate,
                     lr_scheduler_type="constant_with_warmup", warmup_steps=20, logging_steps=50, save_strategy="no",
                     report_to="none", disable_tqdm=True, max_length=640, seed=config.seed, use_cpu=True)
+    args = KDConfig(**{**settings, **arm.kd})  # the arm's own KD settings over the study's
     trainer = holder["trainer"] = KDTrainer(model=drafter, args=args, train_dataset=topk, processing_class=tokenizer,
                                             callbacks=[budget], target=target)
     trainer.train()
