@@ -190,3 +190,18 @@ def test_report_is_generated_from_the_json_and_replaces_its_section(tmp_path):
     assert markdown.read_text() == text  # regenerating is idempotent
     with pytest.raises(FileNotFoundError, match="study.py"):
         write_report(tmp_path / "empty", None)
+
+
+def test_each_drafter_family_has_its_own_warm_start():
+    """PPOW arms continue their own family's KD arm (never another family's), and the report lists each warm
+    start before the PPOW arms that use it."""
+    from ppow_trl.study.arms import ARMS, ORDER, warm_start_of
+    from ppow_trl.study.report import ARM_ORDER
+
+    for name, arm in ARMS.items():
+        assert arm.drafter in ("truncated", "eagle3")
+        if arm.starts_from_warm:
+            assert ARMS[arm.kd_arm].drafter == arm.drafter and ORDER.index(arm.kd_arm) < ORDER.index(name)
+            assert ARM_ORDER.index(warm_start_of(arm.drafter)) < ARM_ORDER.index(name)
+    assert [n for n in ARMS if ARMS[n].saves_warm_start] == ["kd", "eagle3_kd"]
+    assert warm_start_of("eagle3") == "eagle3_kd_warm" and warm_start_of("truncated") == "kd_warm"
