@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def main(argv=None) -> dict:
         tokens.append(int(batch["completion_mask"].sum()))
     per_token = {name: statistics.median(s[i] / tokens[i] for i in range(len(tokens))) for name, s in seconds.items()}
     result = {
-        "command": "python benchmarks/eagle3_features.py " + " ".join(argv or []),
+        "command": " ".join(["python benchmarks/eagle3_features.py", *(sys.argv[1:] if argv is None else argv)]),
         "precision": "fp32", "threads": threads, "steps_per_arm": args.steps, "batch_size": 8, "ttt_steps": 3,
         "median_step_seconds": {name: statistics.median(s) for name, s in seconds.items()},
         "median_seconds_per_trained_token": per_token,
