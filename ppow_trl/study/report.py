@@ -246,7 +246,10 @@ def write_report(results: Path, benchmarks_md: Path = Path("BENCHMARKS.md"), rea
         f"same target-regenerated responses to {config['data']['num_train_prompts']} ShareGPT train prompts (those "
         f"under 512 prompt tokens; greedy, <= {config['data']['train_max_new_tokens']} tokens; the last {config['data']['num_calibration']} held out "
         f"for calibration and the curve), budget {config['budget_seconds']:.0f} s of optimizer-step time per arm "
-        f"(PPOW arms: KD for {config['warm_seconds']:.0f} s, then PPOW). Arms and their settings: "
+        f"(PPOW arms: KD for {config['warm_seconds']:.0f} s, then PPOW). The `eagle3_*` arms train an EAGLE-3 head "
+        "instead (`ppow_trl.eagle3`: one fused layer reading the target's hidden states 2/15/27, the same "
+        f"{config['draft_vocab_size']}-token head ids, KD with 3-step training-time test on cached target features), "
+        "with their own warm start. Arms and their settings: "
         "`ppow_trl/study/arms.py`, `ppow_trl/study/runner.py`.",
         "",
         format_tables(summary, wallclock),
