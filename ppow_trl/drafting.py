@@ -172,6 +172,7 @@ class ChainSession:
         self.cache = None
         self.pairs = 0  # real pairs in the cache (pair j = (h_j, s_{j+1}))
         self.features: list[torch.Tensor] = []  # target features of positions self.pairs, self.pairs + 1, ...
+        self.sequence: list[int] = []  # the committed tokens read by the last extend
         self.hidden = self.mask = self.positions = None
 
     def _call(self, ids, **kwargs):
@@ -204,6 +205,7 @@ class ChainSession:
         self.features = [new[wanted:]] if new.shape[0] > wanted else []
         self.mask = torch.ones((1, self.pairs), dtype=torch.long, device=device)
         self.positions = positions[:, -1:]
+        self.sequence = list(sequence)
         return logits
 
     def rollback(self, valid_length: int) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from .batching import left_pad, length_buckets, positions_from_mask, prefill_contexts
+# left_pad, length_buckets and positions_from_mask are re-exported: they lived here before ppow_trl.batching.
+from .batching import left_pad, length_buckets, positions_from_mask, prefill_contexts  # noqa: F401
 from .drafting import drafting_session
 from .eagle3 import context_features
 from .verification import lengths_to_mask, probabilities_from_logits, sample_categorical

@@ -146,10 +146,10 @@ def chain_generate(*args, model, input_ids=None, generation_config=None, logits_
     committed = len(sequence)
     session = model._ppow_session
     # A new generate call (or the same committed ids again, e.g. a repeated prompt): start from the features.
-    fresh = session is None or len(session.read) >= committed or session.read != sequence[: len(session.read)]
+    read = [] if session is None else session.sequence
+    fresh = session is None or len(read) >= committed or read != sequence[: len(read)]
     if fresh:
         session = model._ppow_session = ChainSession(model)
-        session.read = []
     if fresh or len(tap) < committed - 1:  # HF asks for candidates before the target has run: its features, once
         with tap.paused():
             tap.features = target_features(tap.target, input_ids[:, :-1].to(tap.target.device),
@@ -157,7 +157,6 @@ def chain_generate(*args, model, input_ids=None, generation_config=None, logits_
     session.features = []
     session.add_features(tap.features[session.pairs : committed - 1].to(model.device))
     logits = session.extend(sequence)
-    session.read = sequence
 
     policy = ppow_window_policy(model)
     do_sample = bool(getattr(generation_config, "do_sample", False))
