@@ -22,9 +22,11 @@ Families:
   output in place of the target's features; after verification only the real pairs are kept and the accepted
   tokens' features are appended.
 
-A block-parallel family (DFlash) drafts a whole block from one forward: it fits the same calls with ``step`` never
-needed (``prefill``/``extend`` return the block's logits), which is why the loops ask the session for logits and
-never call the drafter themselves.
+- block drafters (``BlockSession``, ``ppow_trl.dflash``): one forward drafts a whole block from the target's
+  features of the committed tokens before the anchor (the last committed token). ``prefill``/``extend`` run it
+  and return slot 1's logits; ``step`` runs nothing and returns the next slot's (slot ``k``'s distribution does
+  not depend on the drafted ``y_<k``). So the loops are the same; ``session.forwards`` counts real drafter
+  forwards (one per round for blocks, one per token for the others), which is what the cost model charges.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import torch
 from transformers import DynamicCache
 
 from .batching import left_pad, positions_from_mask, prefill_contexts
+from .dflash.modeling import anchored_block_hidden, check_target as check_block_target, is_block_drafter
+from .dflash.configuration import hidden_state_indices
 from .eagle3 import Eagle3DrafterForCausalLM, target_forward
 from .utils import crop_cache
 
@@ -48,23 +52,51 @@ def base_drafter(model):
             return model
 
 
+def drafter_family(drafter) -> str:
+    """``"standalone"``, ``"chain"`` (EAGLE-3, ``ppow_trl.eagle3``) or ``"block"`` (DFlash, ``ppow_trl.dflash``)."""
+    model = base_drafter(drafter)
+    if isinstance(model, Eagle3DrafterForCausalLM):
+        return "chain"
+    return "block" if is_block_drafter(model) else "standalone"
+
+
 def reads_target_features(drafter) -> bool:
-    """Whether ``drafter`` conditions on the target's hidden states (the EAGLE-3 family)."""
-    return isinstance(base_drafter(drafter), Eagle3DrafterForCausalLM)
+    """Whether ``drafter`` conditions on the target's hidden states (the chain and block families)."""
+    return drafter_family(drafter) != "standalone"
 
 
 def target_layer_ids(drafter) -> list[int] | None:
-    """The target hidden-state indices a feature-conditioned drafter reads; ``None`` for standalone drafters."""
-    return list(base_drafter(drafter).config.target_layer_ids) if reads_target_features(drafter) else None
+    """The target ``output_hidden_states`` indices a feature-conditioned drafter reads (a DFlash config's decoder
+    layer ids plus one); ``None`` for standalone drafters."""
+    family = drafter_family(drafter)
+    if family == "standalone":
+        return None
+    config = base_drafter(drafter).config
+    return hidden_state_indices(config) if family == "block" else list(config.target_layer_ids)
 
 
 def drafting_session(drafter, target=None):
-    """The session for ``drafter``'s family. A feature-conditioned drafter checks ``target`` is the one it reads."""
-    if reads_target_features(drafter):
+    """The session for ``drafter``'s family. A feature-conditioned drafter checks ``target`` is the one it reads;
+    a block drafter needs it (the target's embedding and head are its own)."""
+    family = drafter_family(drafter)
+    if family == "block":
+        if target is None:
+            raise ValueError("A DFlash block drafter drafts with the target's embedding and output head: pass target=.")
+        check_block_target(base_drafter(drafter), target)
+        return BlockSession(drafter, target)
+    if family == "chain":
         if target is not None:
             base_drafter(drafter).check_target(target)
         return ChainSession(drafter)
     return StandaloneSession(drafter)
+
+
+def check_window(session, max_window: int) -> None:
+    """Refuse a window longer than the drafter can propose per round (a block drafter's ``block_size - 1``)."""
+    if session.max_window is not None and max_window > session.max_window:
+        raise ValueError(f"max_window (K) = {max_window}, but this block drafter proposes at most {session.max_window} "
+                         f"tokens per round (block_size - 1): use K <= {session.max_window}, or a drafter with "
+                         "a larger block_size.")
 
 
 def _device(model) -> torch.device:
@@ -106,11 +138,13 @@ class StandaloneSession:
     """A causal LM drafting on its own: its state is its KV cache over the tokens it has read."""
 
     target_layer_ids = None
+    max_window = None  # no limit on the window
 
     def __init__(self, drafter):
         self.drafter = drafter
         self.cache = None
         self.mask = self.positions = None
+        self.forwards = 0  # drafter forwards run (one per drafted token)
 
     # one sequence ---------------------------------------------------------------------------------------
     def seen(self) -> int:
@@ -120,6 +154,7 @@ class StandaloneSession:
         """Read the committed tokens not cached yet (at least the last one); logits of the next token ``(1, V)``."""
         start = self.seen()
         out, _ = forward_at(self.drafter, sequence[start:], self.cache, start, logits_to_keep=1)
+        self.forwards += 1
         self.cache = out.cache
         self.mask = torch.ones((1, len(sequence)), dtype=torch.long, device=out.logits.device)
         self.positions = torch.full((1, 1), len(sequence) - 1, device=out.logits.device)
@@ -138,6 +173,7 @@ class StandaloneSession:
                 features: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Next-token logits ``(len(contexts) * G, V)`` after each context, rows context by context."""
         logits, self.cache, self.mask, self.positions = prefill_contexts(self.drafter, contexts, pad_id, num_samples)
+        self.forwards += 1
         return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -146,6 +182,7 @@ class StandaloneSession:
         self.positions = self.positions + 1
         out = self.drafter(input_ids=tokens.view(-1, 1), attention_mask=self.mask, position_ids=self.positions,
                            cache=self.cache, use_cache=True)
+        self.forwards += 1
         self.cache = out.cache
         return out.logits[:, -1]
 
@@ -165,9 +202,12 @@ class ChainSession:
     """A feature-conditioned chain drafter (EAGLE-3): its KV cache over real pairs, the target features it has
     not read yet, and the hidden state it feeds back while drafting."""
 
+    max_window = None
+
     def __init__(self, drafter):
         self.drafter = drafter
         self.model = base_drafter(drafter)
+        self.forwards = 0
         self.target_layer_ids = list(self.model.config.target_layer_ids)
         self.cache = None
         self.pairs = 0  # real pairs in the cache (pair j = (h_j, s_{j+1}))
@@ -177,6 +217,7 @@ class ChainSession:
 
     def _call(self, ids, **kwargs):
         out = self.drafter(input_ids=ids, cache=self.cache, use_cache=True, **kwargs)
+        self.forwards += 1
         self.cache, self.hidden = out.cache, out.hidden_states[:, -1:]
         return out.logits[:, -1]
 
@@ -265,3 +306,139 @@ class ChainSession:
         for slot, draft_logits in enumerate(steps):
             logits = self.model.to_full_vocab(draft_logits[0])
             yield slot, logits[first : first + len(text)]
+
+
+class BlockSession:
+    """A DFlash block drafter: its ``DFlashCache`` over the target features of committed tokens (the context),
+    the features not read yet, and the slot logits of the latest block.
+
+    Each round (``extend``) reads the new context features and drafts one block anchored at the last committed
+    token, exactly as transformers' ``DFlashTokenCandidateGenerator`` does: the cache is cut back to the context
+    (the previous block's positions dropped), the new features and the block go through one forward, and slot
+    ``k``'s output goes through the target's head.
+    """
+
+    def __init__(self, drafter, target):
+        from transformers.cache_utils import DFlashCache
+
+        self.drafter = drafter
+        self.model = base_drafter(drafter)
+        self.embed = target.get_input_embeddings()
+        self.head = target.get_output_embeddings()
+        self.block_size = int(self.model.config.block_size)
+        self.max_window = self.block_size - 1  # drafted slots per block
+        self.target_layer_ids = hidden_state_indices(self.model.config)
+        self._cache_class = DFlashCache
+        self.cache = None
+        self.context = 0  # committed positions whose features are in the cache
+        self.features: list[torch.Tensor] = []
+        self.slot_logits = None  # (rows, block_size - 1, V)
+        self.slot = 0
+        self.forwards = 0
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden.to(self.head.weight.dtype))
+
+    def _start_block(self, slot_logits: torch.Tensor) -> torch.Tensor:
+        self.slot_logits, self.slot = slot_logits, 0
+        self.forwards += 1
+        return slot_logits[:, 0]
+
+    # one sequence ---------------------------------------------------------------------------------------
+    def add_features(self, features: torch.Tensor | None) -> None:
+        """Target features ``(n, F)`` of the next ``n`` committed positions (from the forward that verified them)."""
+        if features is not None:
+            self.features.append(features.reshape(-1, features.shape[-1]))
+
+    def extend(self, sequence: list[int], features: torch.Tensor | None = None) -> torch.Tensor:
+        """Read the features of committed tokens before the last one; draft a block anchored at the last one.
+        Returns slot 1's logits ``(1, V)``."""
+        if features is not None:
+            self.add_features(features)
+        wanted = len(sequence) - 1 - self.context
+        new = torch.cat(self.features) if self.features else None
+        have = 0 if new is None else new.shape[0]
+        if have < wanted:
+            raise RuntimeError(f"{have} target features for {wanted} new context positions.")
+        device = self.model.encoder.fc.weight.device
+        if self.cache is None:
+            self.cache = self._cache_class(config=self.model.config)
+            self.cache.activate_past_recording()
+        crop_cache(self.cache, self.context)  # drop the previous block
+        if new is None:
+            new = torch.zeros((0, self.model.encoder.fc.in_features), device=device)
+        context = new[:wanted].unsqueeze(0).to(device=device, dtype=self.model.encoder.fc.weight.dtype)
+        self.features = [new[wanted:]] if have > wanted else []
+        anchor = len(sequence) - 1
+        ids = torch.full((1, self.block_size), int(self.model.config.mask_token_id), dtype=torch.long, device=device)
+        ids[0, 0] = sequence[-1]
+        positions = torch.cat([torch.arange(self.context, anchor, device=device),
+                               torch.arange(anchor, anchor + self.block_size, device=device)]).unsqueeze(0)
+        self.cache.set_previous_accepted_tokens(wanted)
+        out = self.drafter(noise_embeds=self.embed(ids), context_hidden_states=context, position_ids=positions,
+                           cache=self.cache)
+        self.context = anchor
+        return self._start_block(self._logits(out.last_hidden_state[:, 1:]))
+
+    def rollback(self, valid_length: int) -> None:
+        """Nothing to undo: the cache holds target features only, and the next ``extend`` drops the block."""
+
+    # batches --------------------------------------------------------------------------------------------
+    def prefill(self, contexts: list[torch.Tensor], pad_id: int = 0, num_samples: int = 1,
+                features: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Slot 1's logits after each context (a block anchored at its last token, reading the features of the
+        others), ``(len(contexts) * G, V)``, rows context by context; later slots come from ``step``."""
+        if features is None:
+            raise ValueError("A DFlash drafter needs the target's features of the contexts "
+                             "(ppow_trl.eagle3.context_features); pass target= to the rollout.")
+        slot_logits = self._logits(block_after_contexts(self.drafter, self.embed, contexts, features)[:, 1:])
+        return self._start_block(slot_logits.repeat_interleave(num_samples, dim=0))
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The next slot's logits (no forward: slot ``k`` does not read the drafted ``y_<k``)."""
+        self.slot += 1
+        if self.slot >= self.slot_logits.shape[1]:
+            raise ValueError(f"A block of {self.block_size} drafts at most {self.block_size - 1} tokens: use "
+                             f"max_window <= {self.block_size - 1} with this drafter.")
+        return self.slot_logits[:, self.slot]
+
+    # teacher-forced windows ------------------------------------------------------------------------------
+    def teacher_forced_logits(self, prompt: list[int], text: list[int], max_window: int,
+                              features: torch.Tensor | None = None):
+        """As ``StandaloneSession.teacher_forced_logits``: slot ``k`` of a window after ``prompt + text[:s]`` is
+        slot ``k + 1`` of the block anchored at position ``len(prompt) + s - 1``, computed for every ``s`` in one
+        forward (``anchored_block_hidden``). The block never reads its own drafts, so this is exactly what the
+        loop drafts, matched or not (``features``: the target's, ``(len(prompt) + len(text), F)``)."""
+        if features is None:
+            raise ValueError("teacher_forced_logits of a DFlash drafter needs the target's features.")
+        if max_window > self.block_size - 1:
+            raise ValueError(f"max_window {max_window} exceeds this drafter's block of {self.block_size - 1} slots.")
+        sequence = prompt + text
+        device = self.model.encoder.fc.weight.device
+        anchors = torch.arange(len(prompt) - 1, len(sequence) - 1, device=device).unsqueeze(0)
+        ids = torch.tensor([sequence], dtype=torch.long, device=device)[:, anchors[0]]
+        context = features[None, : len(sequence) - 1].to(device)
+        hidden = anchored_block_hidden(self.drafter, self.embed, context, ids, anchors)[0]  # (M, S, H)
+        for slot in range(max_window):
+            yield slot, self._logits(hidden[:, slot + 1])
+
+
+def block_after_contexts(drafter, embed, contexts: list[torch.Tensor], features: list[torch.Tensor]) -> torch.Tensor:
+    """Output states ``(B, S, H)`` of one block per context, anchored at its last token and reading the target's
+    ``features[i]`` of its other tokens (left-padded; ``anchored_block_hidden``). Rollouts and PPOW's loss."""
+    device = base_drafter(drafter).encoder.fc.weight.device
+    width = max(len(c) for c in contexts) - 1
+    feats = torch.zeros((len(contexts), width, features[0].shape[-1]), device=device)
+    valid = torch.zeros((len(contexts), width), dtype=torch.bool, device=device)
+    positions = torch.zeros((len(contexts), width), dtype=torch.long, device=device)
+    for row, (context, feature) in enumerate(zip(contexts, features)):
+        n = len(context) - 1
+        if n:
+            feats[row, width - n :] = feature[:n].to(device)
+            valid[row, width - n :] = True
+            positions[row, width - n :] = torch.arange(n, device=device)
+    anchor_ids = torch.stack([torch.as_tensor(c)[-1] for c in contexts]).view(-1, 1).to(device)
+    anchor_positions = torch.tensor([[len(c) - 1] for c in contexts], device=device)
+    hidden = anchored_block_hidden(drafter, embed, feats, anchor_ids, anchor_positions, context_valid=valid,
+                                   context_positions=positions)
+    return hidden[:, 0]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafting import drafting_session, forward_at
+from .drafting import check_window, drafting_session, forward_at
 from .models import output_vocab_rows
 from .utils import crop_cache
 from .verification import (
@@ -233,9 +233,10 @@ def speculative_generate(
     sequence = list(prompt)
     new_tokens: list[int] = []
     session = drafting_session(drafter, target)
+    check_window(session, policy.max_window)
     layer_ids = session.target_layer_ids  # None for standalone drafters: the target returns no features
     target_cache = None
-    target_forwards = prefill_forwards = drafter_forwards = 0
+    target_forwards = prefill_forwards = 0
     drafted, accepted_counts, emitted = [], [], []
     finished_by_eos = False
 
@@ -253,7 +254,6 @@ def speculative_generate(
         # every committed token the drafter has not read yet (None: nothing to draft from yet)
         logits = session.extend(sequence) if cap > 0 else None
         if logits is not None:
-            drafter_forwards += 1
             running = torch.ones((), device=logits.device)
             for step in range(cap):
                 step_logits = logits[-1, :vocab]
@@ -268,7 +268,6 @@ def speculative_generate(
                 if step + 1 == cap or not bool(policy.keep_drafting(running, step + 1)):
                     break
                 logits = session.step(torch.tensor([token], device=logits.device))
-                drafter_forwards += 1
 
         length = len(window)
         verify_start = committed - 1
@@ -312,7 +311,7 @@ def speculative_generate(
         new_tokens=new_tokens,
         target_forwards=target_forwards,
         prefill_forwards=prefill_forwards,
-        drafter_forwards=drafter_forwards,
+        drafter_forwards=session.forwards,  # one per round for block drafters
         drafted_per_round=drafted,
         accepted_per_round=accepted_counts,
         tokens_per_round=emitted,
@@ -388,6 +387,7 @@ def exact_greedy_tau(
     # Window slot k of a round starting after text[:s], teacher-forced (row s): the drafter's proposal and
     # confidence while its first k proposals matched; slots past the text are never read (the cap).
     session = drafting_session(drafter, target)
+    check_window(session, policy.max_window)
     features = None
     if session.target_layer_ids is not None:  # one teacher-forced target pass gives the features
         features = forward_at(target, prompt + text, None, 0, session.target_layer_ids, logits_to_keep=1)[1][0]

@@ -45,7 +45,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer, TrainingArguments
 
 from .drafter import ReducedVocabHeadMixin
-from .drafting import base_drafter, reads_target_features
+from .dflash.modeling import anchored_block_hidden, check_target as check_block_target
+from .drafting import base_drafter, drafter_family, reads_target_features, target_layer_ids
 from .eagle3 import target_features
 
 # Columns the trainer reads (from `ppow_trl.data.build_target_responses` + `compute_target_topk`).
@@ -85,6 +86,15 @@ class KDConfig(TrainingArguments):
         ttt_decay (`float`, *optional*, defaults to `0.8`):
             Loss weight ``ttt_decay ** k`` of step ``k`` (SpecForge's value); the loss is
             ``sum_k w_k * mean KL_k / sum_k w_k``.
+        block_anchors (`int`, *optional*, defaults to `32`):
+            DFlash block drafters only (``ppow_trl.dflash``): the anchored-block objective. Per sequence, up to this
+            many anchors ``a`` are drawn without replacement among the positions predicting a response token; the
+            block anchored at ``a`` reads the target's features of positions ``< a`` and itself bidirectionally, and
+            its slot ``k`` (``1 .. block_size - 1``) is scored against the teacher at position ``a + k - 1`` (the
+            distribution of token ``a + k``), where that position predicts a response token.
+        block_decay_gamma (`float`, *optional*, defaults to `4.0`):
+            Slot ``k``'s weight ``w_k = exp(-(k - 1) / gamma)`` (DFlash's position decay); the loss is
+            ``sum_k w_k * mean KL_k / sum_k w_k`` like TTT's.
         max_length (`int` or `None`, *optional*, defaults to `1024`):
             Maximum length of `prompt_ids + response_ids`. Longer examples lose the start of their prompt (at
             least one prompt token is kept; a response alone longer than that loses its end). `None`: no
@@ -139,6 +149,18 @@ class KDConfig(TrainingArguments):
         default=0.8,
         metadata={"help": "Weight of TTT step k is ttt_decay ** k (SpecForge's 0.8)."},
     )
+    block_anchors: int = field(
+        default=32,
+        metadata={
+            "help": "DFlash block drafters only: anchors (blocks) sampled per sequence among the positions predicting "
+            "a response token."
+        },
+    )
+    block_decay_gamma: float = field(
+        default=4.0,
+        metadata={"help": "DFlash block drafters only: slot k's loss weight is exp(-(k - 1) / gamma) (speculators' 4 "
+                  "for blocks of 8; SpecForge uses 7 for blocks of 16)."},
+    )
     max_length: int | None = field(
         default=1024,
         metadata={
@@ -152,6 +174,10 @@ class KDConfig(TrainingArguments):
             raise ValueError(f"loss must be 'forward_kl' or 'tv', got {self.loss!r}.")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if self.block_anchors < 1:
+            raise ValueError(f"block_anchors must be >= 1, got {self.block_anchors}.")
+        if not self.block_decay_gamma > 0:
+            raise ValueError(f"block_decay_gamma must be > 0, got {self.block_decay_gamma}.")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}.")
         if not 0 < self.ttt_decay <= 1:
@@ -476,8 +502,14 @@ class KDTrainer(Trainer):
                 raise ValueError("This drafter reads the target's hidden states (EAGLE-3 family): pass target= (the "
                                  "frozen target it was built for) so the trainer can compute its features, or a "
                                  "dataset with them (ppow_trl.eagle3.compute_target_features).")
+            if drafter_family(model) == "block" and target is None:
+                raise ValueError("A DFlash block drafter drafts through the target's embedding and output head: pass "
+                                 "target= (the frozen target it was built for).")
             if target is not None:
-                base_drafter(model).check_target(target)
+                if drafter_family(model) == "block":
+                    check_block_target(base_drafter(model), target)
+                else:
+                    base_drafter(model).check_target(target)
                 target.eval().requires_grad_(False)
         self.target = target
 
@@ -506,6 +538,8 @@ class KDTrainer(Trainer):
             optimizers=optimizers,
             **kwargs,
         )
+        if "labels" not in self.label_names:  # a block drafter's forward has no labels argument: the collator's count
+            self.label_names = ["labels"]
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._vocab_maps_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.trained_positions = 0  # response positions the loss has seen in training (the study's budget)
@@ -563,11 +597,51 @@ class KDTrainer(Trainer):
         rows = list(zip(outputs.unrolled_logits, target_masks))
         return rows, outputs
 
+    def _block_rows(self, model, inputs, mask):
+        """Anchored blocks of a DFlash drafter (``KDConfig.block_anchors``): slot ``k`` of the block anchored at
+        ``a`` predicts token ``a + k``, so it meets the teacher's distribution stored at position ``a + k - 1``."""
+        ids, attention = inputs["input_ids"], inputs["attention_mask"]
+        features = inputs.get("target_features")
+        if features is None:
+            features = target_features(self.target, ids, attention, target_layer_ids(model))
+        block_size = int(base_drafter(model).config.block_size)
+        anchors = []
+        for row in mask:
+            candidates = row.nonzero().flatten()
+            pick = torch.randperm(candidates.numel(), device=candidates.device)[: self.args.block_anchors]
+            anchors.append(candidates[pick].sort().values)
+        count = max(1, max(a.numel() for a in anchors))
+        anchor_positions = torch.zeros((ids.shape[0], count), dtype=torch.long, device=ids.device)
+        real = torch.zeros((ids.shape[0], count), dtype=torch.bool, device=ids.device)
+        for row, chosen in enumerate(anchors):
+            anchor_positions[row, : chosen.numel()], real[row, : chosen.numel()] = chosen, True
+        hidden = anchored_block_hidden(model, self.target.get_input_embeddings(), features,
+                                       ids.gather(1, anchor_positions), anchor_positions,
+                                       context_valid=attention.bool())
+        head = self.target.get_output_embeddings()
+        rows = []
+        for slot in range(1, block_size):
+            teacher = (anchor_positions + slot - 1).clamp(max=ids.shape[1] - 1)
+            scored = real & mask.gather(1, teacher) & (anchor_positions + slot - 1 < ids.shape[1])
+            target_mask = torch.zeros_like(mask)
+            target_mask[scored.nonzero(as_tuple=True)[0], teacher[scored]] = True
+            # rows (sequence, anchor) ascending = the order target_mask selects the teacher's rows in
+            rows.append((head(hidden[:, :, slot][scored].to(head.weight.dtype)), target_mask))
+        return rows, {}  # no model output to hand the Trainer's prediction_step (it returns the loss only)
+
+    def _slot_weights(self, model, num_slots: int) -> list[float]:
+        """Per-slot loss weights: DFlash's ``exp(-(k - 1) / gamma)``, TTT's ``ttt_decay ** (k - 1)``."""
+        if drafter_family(model) == "block":
+            return [math.exp(-step / self.args.block_decay_gamma) for step in range(num_slots)]
+        return [self.args.ttt_decay**step for step in range(num_slots)]
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mask = inputs["completion_mask"].bool()
-        chain = reads_target_features(model)
-        rows, outputs = self._chain_rows(model, inputs, mask) if chain else self._standalone_rows(model, inputs, mask)
-        weights = [self.args.ttt_decay**step for step in range(len(rows))]
+        family = drafter_family(model)
+        chain = family != "standalone"  # per-slot means, weighted
+        rows_of = {"chain": self._chain_rows, "block": self._block_rows, "standalone": self._standalone_rows}
+        rows, outputs = rows_of[family](model, inputs, mask)
+        weights = self._slot_weights(model, len(rows))
         column_ids, id_to_column = self._vocab_maps(rows[0][0].shape[-1], rows[0][0].device)
         loss, stats = 0.0, []
         for weight, (student, target_mask) in zip(weights, rows):
