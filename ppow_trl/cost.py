@@ -29,12 +29,15 @@ class CostModel:
             ``L + 1`` tokens with a KV cache. ``verify_cost[0]`` is 1 by definition (``t_v(0) = t_t``).
             Lengths past the list are extrapolated linearly from its last two entries.
         description (`str`): where the figures come from (machine, dtype, models); informational.
+        drafter_per_round (`bool`): ``drafter_cost`` is one drafter forward per *round* (a block drafter,
+            ``ppow_trl.dflash``, drafts its whole window in one forward), not per drafted token.
     """
 
     drafter_cost: float
     verify_cost: list[float]
     description: str = ""
     raw_seconds: dict = field(default_factory=dict)
+    drafter_per_round: bool = False
 
     def __post_init__(self):
         if self.drafter_cost < 0 or not self.verify_cost or any(c <= 0 for c in self.verify_cost):
@@ -61,9 +64,13 @@ class CostModel:
         inside = table[window_length.long().clamp(0, last)]
         return torch.where(window_length > last, table[-1] + slope * (window_length.float() - last), inside)
 
+    def drafter_forwards(self, window_length: torch.Tensor) -> torch.Tensor:
+        """Drafter forwards of a round drafting ``L`` tokens: ``L``, or ``1[L > 0]`` for a block drafter."""
+        return (window_length > 0).float() if self.drafter_per_round else window_length.float()
+
     def round_time(self, window_length: torch.Tensor) -> torch.Tensor:
-        """Time of one round relative to a target step: ``L * t_d + t_v(L)``."""
-        return window_length.float() * self.drafter_cost + self.verify_time(window_length)
+        """Time of one round relative to a target step: ``L * t_d + t_v(L)`` (``t_d + t_v(L)`` per block)."""
+        return self.drafter_forwards(window_length) * self.drafter_cost + self.verify_time(window_length)
 
     def save_pretrained(self, folder: str | Path) -> Path:
         """Save as ``folder/ppow_cost_model.json`` (next to the drafter it was measured with)."""
@@ -78,7 +85,8 @@ class CostModel:
 
 
 def speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_model: CostModel) -> torch.Tensor:
-    """Cost-aware speedup of one round: ``S(y) = (E[A|y] + 1) * t_t / (L * t_d + t_v(L))``.
+    """Cost-aware speedup of one round: ``S(y) = (E[A|y] + 1) * t_t / (L * t_d + t_v(L))`` (a block drafter's
+    round costs ``t_d + t_v(L)``: ``CostModel.round_time``).
 
     The numerator counts the tokens the round yields (accepted + correction/bonus); the denominator
     is its time in target steps, so ``S = 1`` means as fast as plain decoding. Greedy training may
@@ -133,7 +141,7 @@ def _drafter_step(drafter, target, context_ids: torch.Tensor):
     """A callable running one drafting step (one token after ``context_ids``) through the drafter's session, which
     is what the loops run: a standalone drafter's one-token forward, or a chain drafter's step on its own hidden
     state (``ppow_trl.drafting``); the state is put back after each step."""
-    from .drafting import drafting_session
+    from .drafting import BlockSession, drafting_session
     from .eagle3 import context_features
 
     session = drafting_session(drafter, target)
@@ -141,6 +149,8 @@ def _drafter_step(drafter, target, context_ids: torch.Tensor):
     features = None
     if session.target_layer_ids is not None:
         features = context_features(target, [context_ids[0]], session.target_layer_ids)
+    if isinstance(session, BlockSession):
+        return _block_round(session, context.tolist(), features[0])
     session.prefill([context], features=features)
     length, mask, positions = session.cache.get_seq_length(), session.mask, session.positions
     token = context[-1:]
@@ -149,6 +159,20 @@ def _drafter_step(drafter, target, context_ids: torch.Tensor):
         session.step(token)
         crop_cache(session.cache, length)  # back to the shared context: every repeat times the same step
         session.mask, session.positions = mask, positions
+
+    return step
+
+
+def _block_round(session, sequence: list[int], features: torch.Tensor):
+    """A callable running one block drafter round as generation does (``BlockSession.extend``): the features of
+    one newly verified position read into the cached context, then the block; the state is put back each time."""
+    session.extend(sequence[:-1], features=features[:-2])
+    start, last = session.context, features[-2:-1]
+
+    def step():
+        crop_cache(session.cache, start)
+        session.context, session.features = start, [last]
+        session.extend(sequence)
 
     return step
 
@@ -169,15 +193,22 @@ def calibrate_cost_model(
     Every figure is the median of ``repeats`` timed forwards after ``warmup`` untimed ones, timed
     round-robin across workloads, each on top of a KV cache of the same context (a realistic decode
     state) with the cache cropped back after each forward. ``t_d`` is one drafter forward of one token with its own cache (the
-    drafter drafts token by token). Time the models in the dtype and device you will decode with.
+    drafter drafts token by token); for a block drafter it is one round's forward (one new context position and the
+    block, head included), and the model is marked ``drafter_per_round``. Time the models in the dtype and device
+    you will decode with.
     """
+    from .drafting import drafter_family
+
     if max_window < 1:
         raise ValueError(f"max_window must be >= 1, got {max_window}.")
     device = next(target.parameters()).device
     if context_ids is None:
         generator = torch.Generator().manual_seed(seed)
         # Any token ids both models can embed (a reduced-vocabulary drafter still embeds the full vocabulary).
-        vocab = min(target.get_input_embeddings().num_embeddings, drafter.get_input_embeddings().num_embeddings)
+        # a block drafter embeds with the target's embedding
+        embeddings = None if drafter_family(drafter) == "block" else drafter.get_input_embeddings()
+        vocab = target.get_input_embeddings().num_embeddings
+        vocab = vocab if embeddings is None else min(vocab, embeddings.num_embeddings)
         context_ids = torch.randint(0, vocab, (1, context_length), generator=generator)
     context_ids = context_ids.to(device)
     with torch.inference_mode():
@@ -192,4 +223,6 @@ def calibrate_cost_model(
         f"drafter {drafter.config._name_or_path or drafter.config.model_type}; context {context_ids.shape[1]} tokens; "
         f"median of {repeats}"
     )
-    return CostModel.from_seconds(verify[0], drafter_step, verify, description=description)
+    model = CostModel.from_seconds(verify[0], drafter_step, verify, description=description)
+    model.drafter_per_round = drafter_family(drafter) == "block"
+    return model

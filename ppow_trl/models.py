@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from .dflash.modeling import is_block_drafter
 from .drafter import PPOWDrafterForCausalLM, ReducedVocabHeadMixin
 from .offline import smollm2_path
 from .utils import require_package
@@ -345,8 +346,9 @@ def check_compatibility(target, drafter, target_tokenizer, drafter_tokenizer=Non
                 f"The {role} has {rows} output rows but the tokenizer has {vocab_size} tokens: some tokens "
                 f"could never be scored. Is this {role} made for this tokenizer?"
             )
-    input_rows = drafter.get_input_embeddings().num_embeddings
-    if input_rows < vocab_size:
+    embeddings = None if is_block_drafter(_unwrap(drafter)) else drafter.get_input_embeddings()
+    input_rows = target.get_input_embeddings().num_embeddings if embeddings is None else embeddings.num_embeddings
+    if input_rows < vocab_size:  # a block drafter (ppow_trl.dflash) embeds with the target's embedding
         raise ValueError(f"The drafter embeds {input_rows} token ids but the tokenizer has {vocab_size} tokens.")
     base = _unwrap(drafter)
     if isinstance(base, ReducedVocabHeadMixin) and int(base.draft_vocab_ids.max()) >= vocab_size:

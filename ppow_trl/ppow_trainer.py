@@ -29,7 +29,7 @@ from .contexts import ContextPool, ContextSelector, score_sequences
 from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model, overall_speedup, speedup
 from .credit import per_position_advantages, per_position_credit
 from .drafter import ReducedVocabHeadMixin
-from .drafting import reads_target_features, target_layer_ids
+from .drafting import drafter_family, reads_target_features, target_layer_ids
 from .eagle3 import context_features
 from .model_card import render_model_card, write_model_card
 from .models import check_compatibility, check_same_device, load_target
@@ -38,7 +38,7 @@ from .generation import exact_greedy_tau, greedy_continuation
 from .rewards import divergence, proximity_terms
 from .rollout import draft_windows, target_window_probs
 from .verification import window_prefix_acceptance
-from .window_logprobs import chain_window_logprobs, shared_context_window_logprobs
+from .window_logprobs import block_window_logprobs, chain_window_logprobs, shared_context_window_logprobs
 from .windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,12 @@ class PPOWTrainer(GRPOTrainer):
         if isinstance(target_model, str):
             target_model = load_target(target_model, quantization=args.target_quantization)
         self.vocab_size = check_compatibility(target_model, model, processing_class, drafter_processing_class)
+        # a DFlash block drafter (ppow_trl.dflash): one forward per round, the target's embedding and head
+        self._block_drafter = drafter_family(model) == "block"
+        if self._block_drafter and getattr(model, "generation_config", None) is None:
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig()  # TRL writes its pad id there; the drafter never generates
         room = min(_max_positions(target_model), _max_positions(model)) - (args.max_window + 1)
         self.context_pool = ContextPool(train_dataset, max_context_length=room)
 
@@ -191,6 +197,23 @@ class PPOWTrainer(GRPOTrainer):
           silently wrong (docs/design/trainer-notes.md, section 0).
         """
         drafter = self._unwrapped_drafter()
+        if self._block_drafter:
+            if not self.args.shared_context_logprobs:
+                raise ValueError("A DFlash block drafter has no TRL generic loss path (it drafts through the target's "
+                                 "head from the target's features): keep shared_context_logprobs=True.")
+            inner_forward = drafter.forward
+
+            @functools.wraps(inner_forward)
+            def block_forward(*args, ppow_window_logprobs=None, **kwargs):
+                if ppow_window_logprobs is None:
+                    return inner_forward(*args, **kwargs)
+                return block_window_logprobs(drafter, kwargs["input_ids"], kwargs["attention_mask"],
+                                             context_features=self._context_features, target=self.target,
+                                             **ppow_window_logprobs)
+
+            drafter.forward = block_forward
+            drafter._ppow_window_logprobs = True
+            return
         head = drafter.get_output_embeddings()
         if hasattr(head, "lora_A"):
             # Both loss paths project with head.weight, the frozen base weight: a LoRA delta on the head would shape
@@ -254,7 +277,7 @@ class PPOWTrainer(GRPOTrainer):
         """The given cost ratios, or a calibration on this machine (main process; broadcast to the others)."""
         if self.args.drafter_cost is not None:
             return CostModel(drafter_cost=self.args.drafter_cost, verify_cost=list(self.args.verify_cost),
-                             description="given in PPOWConfig")
+                             description="given in PPOWConfig", drafter_per_round=self._block_drafter)
         ratios = torch.zeros(self.args.max_window + 2, device=self.accelerator.device)
         if self.accelerator.is_main_process:
             with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter:
@@ -262,7 +285,7 @@ class PPOWTrainer(GRPOTrainer):
                 measured = calibrate_cost_model(self.target, drafter, self.args.max_window)
             ratios = torch.tensor([measured.drafter_cost, *measured.verify_cost], device=self.accelerator.device)
         ratios = broadcast(ratios, from_process=0).tolist()
-        return CostModel(drafter_cost=ratios[0], verify_cost=ratios[1:],
+        return CostModel(drafter_cost=ratios[0], verify_cost=ratios[1:], drafter_per_round=self._block_drafter,
                          description="measured by PPOWTrainer before its first rollout (main process)")
 
     # ------------------------------------------------------------------ sampling of contexts

@@ -222,3 +222,49 @@ def chain_window_logprobs(
     if compute_entropy:
         entropy = -(log_q.exp() * log_q).sum(-1) * valid
     return log_probs, entropy
+
+
+def block_window_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_window_tokens: int,
+    *,
+    vocab_size: int,
+    temperature: float,
+    context_features,
+    target,
+    compute_entropy: bool = False,
+    cast_lm_head_to_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``shared_context_window_logprobs`` for a DFlash block drafter (``ppow_trl.dflash``).
+
+    One block per distinct context, anchored at its last token and reading the target's features of the others
+    (``context_features(contexts)``, the ones the rollout drafted from), with gradients; slot ``i`` through the
+    target's frozen head gives ``q_i``, which does not depend on the drafted ``y_<i``, so every window of a context
+    reads the same block. ``log q(y_i)`` is the log-softmax at ``temperature`` over the first ``vocab_size`` ids,
+    the distribution the rollout sampled from.
+    """
+    from .drafting import block_after_contexts
+
+    width = input_ids.shape[1] - num_window_tokens
+    prompt_ids, prompt_mask = input_ids[:, :width], attention_mask[:, :width]
+    window_ids, window_mask = input_ids[:, width:], attention_mask[:, width:]
+    first_row, inverse = group_contexts(prompt_ids, prompt_mask)
+    contexts = [prompt_ids[row][prompt_mask[row].bool()] for row in first_row.tolist()]
+    hidden = block_after_contexts(model, target.get_input_embeddings(), contexts, context_features(contexts))
+    head = target.get_output_embeddings()
+    hidden = hidden[:, 1 : 1 + num_window_tokens].to(head.weight.device)
+    if cast_lm_head_to_fp32:
+        hidden = hidden.float()
+    weight = head.weight[:vocab_size].to(hidden.dtype)
+    bias = None if head.bias is None else head.bias[:vocab_size].to(hidden.dtype)
+    logits = torch.nn.functional.linear(hidden, weight, bias)[inverse]  # (B, C, vocab_size)
+    log_q = torch.log_softmax(logits / temperature, dim=-1)
+    valid = window_mask.bool().to(log_q.device)
+    labels = window_ids.to(log_q.device).clamp(0, vocab_size - 1)
+    log_probs = log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1) * valid
+    entropy = None
+    if compute_entropy:
+        entropy = -(log_q.exp() * log_q).sum(-1) * valid
+    return log_probs, entropy

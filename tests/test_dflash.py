@@ -99,3 +99,64 @@ def test_greedy_is_lossless_and_exact_tau_equals_the_loop(trained, max_window, t
     assert accepted > 10
     with pytest.raises(ValueError, match="block_size - 1"):
         speculative_generate(target, drafter, prompt, policy=AdaptiveWindowPolicy(BLOCK), max_new_tokens=4)
+
+
+def test_batched_rollout_equals_one_context_at_a_time(trained):
+    """Left-padded contexts, G samples each: every row drafts what it drafts alone (greedy) from one block, and
+    the distributions are the cached loop's first round."""
+    target, drafter = trained["target"], trained["drafter"]
+    data = trained["responses"]
+    contexts = [torch.tensor(p + r[:k]) for p, r, k in zip(data["prompt_ids"][:4], data["response_ids"][:4], (0, 3, 5, 1))]
+    policy = AdaptiveWindowPolicy(4, 0.0)
+    batch = draft_windows(drafter, contexts, policy, temperature=0.0, target=target, num_samples_per_context=2)
+    for index, context in enumerate(contexts):
+        alone = draft_windows(drafter, [context], policy, temperature=0.0, target=target)
+        for row in (2 * index, 2 * index + 1):
+            assert torch.equal(batch.window_ids[row], alone.window_ids[0])
+            torch.testing.assert_close(batch.drafter_probs[row], alone.drafter_probs[0], atol=1e-5, rtol=1e-4)
+        looped = speculative_generate(target, drafter, context[None], policy=policy, max_new_tokens=2, eos_token_id=[])
+        assert looped.drafted_per_round[0] == 1  # capped at max_new_tokens - 1; its token is the block's slot 1
+    with pytest.raises(ValueError, match="pass target="):
+        draft_windows(drafter, contexts, policy)
+
+
+def test_ppow_trains_a_block_drafter_with_the_sampled_log_probs(trained, tmp_path):
+    """The loss recomputes each context's block once, with gradients: its log q equals the rollout's sampled log q
+    within 1e-4; LoRA training then runs end to end, and the cost model charges one drafter forward per round."""
+    from peft import LoraConfig
+
+    from ppow_trl.ppow_config import PPOWConfig
+    from ppow_trl.ppow_trainer import PPOWTrainer
+
+    target, data = trained["target"], trained["responses"]
+    trained["drafter"].save_pretrained(tmp_path / "warm")
+    drafter = AutoModel.from_pretrained(tmp_path / "warm").train()
+    assert isinstance(drafter, MuseGlimmerAssistantModel)
+    args = PPOWConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_window=4,
+                      max_steps=2, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
+                      disable_tqdm=True, selection_refresh_steps=5, seed=0, drafter_cost=0.3,
+                      verify_cost=[1.0, 1.4, 1.6, 1.8, 2.0])
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                         "down_proj", "fc"])
+    trainer = PPOWTrainer(model=drafter, target_model=target, args=args, train_dataset=data, eval_dataset=data,
+                          processing_class=trained["tokenizer"], peft_config=lora)
+    assert trainer.cost_model.drafter_per_round
+    lengths = torch.tensor([0, 1, 4])
+    torch.testing.assert_close(trainer.cost_model.round_time(lengths), torch.tensor([1.0, 1.7, 2.3]))
+    trainer.model.train()
+    inputs = [trainer.train_dataset[i] for i in [0, 0, 0, 0, 5, 5, 5, 5]]
+    out = trainer._generate_and_score_completions(inputs)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, out["completion_ids"].shape[1])
+    w = trainer.last_window_rewards
+    valid = w["window_mask"]
+    assert valid.sum() > 8
+    assert torch.allclose(logps[valid], w["sampled_logq"][valid], atol=1e-4), (logps - w["sampled_logq"]).abs().max()
+    logps.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in trainer.model.named_parameters()
+               if "lora_" in n)
+    trainer.model.zero_grad()
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert metrics["eval_tau"] >= 1.0
