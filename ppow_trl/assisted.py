@@ -192,12 +192,25 @@ def save_assistant(
     ``PPOWDrafterForCausalLM``). A PEFT model is refused: merge it first (``merge_and_unload()``).
     Returns the folder as a ``Path``.
     """
+    from .drafting import drafter_family
+
     policy = _check_policy(policy)
     if _is_peft_model(drafter):
         raise ValueError(_PEFT_MESSAGE)
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}.")
     folder = Path(folder)
+    if drafter_family(drafter) == "block":
+        # transformers' own DFlash layout: weights, config, policy, cost model, and a generation config recording
+        # the vocabulary; no hook file (the native route's window is installed by load_assistant(target=)).
+        drafter.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        policy.save_pretrained(folder)
+        if cost_model is not None:
+            cost_model.save_pretrained(folder)
+        _update_generation_config(folder, policy, None if tokenizer is None else len(tokenizer))
+        return folder
     configure_generation_config(drafter.generation_config, policy, None if tokenizer is None else len(tokenizer))
     drafter.save_pretrained(folder)
     if tokenizer is not None:
@@ -305,7 +318,9 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, target=No
 
     Pass the result as ``target.generate(..., assistant_model=drafter)``. A drafter that reads the target's
     hidden states (EAGLE-3, ``ppow_trl.eagle3``) needs ``target=``: hooks on the target hand it the features
-    (``ppow_trl.eagle3.attach_to_target``; no remote code on that route).
+    (``ppow_trl.eagle3.attach_to_target``; no remote code on that route). A DFlash block drafter
+    (``ppow_trl.dflash``) needs ``target=`` too and is called with ``speculation_type="dflash"``; its window rule is
+    a hook on the drafter (``ppow_trl.dflash.assisted``).
     """
     from transformers import AutoModelForCausalLM
 
@@ -328,6 +343,15 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, target=No
             "save_assistant(drafter, folder, policy=AdaptiveWindowPolicy(max_window=K, threshold=h))."
         ) from error
     source = str(folder) if local else str(folder_or_repo)
+    from .dflash.assisted import attach_block_window, is_block_folder, load_block_drafter
+
+    if local and is_block_folder(folder):  # a DFlash drafter: transformers' class, the target's head
+        if target is None:
+            raise ValueError(f"{folder_or_repo} holds a DFlash block drafter: pass load_assistant(folder, target=target) "
+                             "so its window rule can read the target's head.")
+        drafter = load_block_drafter(source, **from_pretrained_kwargs)
+        attach_block_window(drafter, target, policy, _saved_vocab_size(source, hub_kwargs))
+        return drafter
     drafter = AutoModelForCausalLM.from_pretrained(
         source, trust_remote_code=bool(trust_remote_code), **from_pretrained_kwargs
     )

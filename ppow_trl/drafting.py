@@ -31,6 +31,8 @@ Families:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 
@@ -339,6 +341,11 @@ class BlockSession:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden.to(self.head.weight.dtype))
 
+    def _full_block(self):
+        """The native route's window hook (``ppow_trl.dflash.assisted``) paused: this loop applies its own rule."""
+        window = getattr(self.model, "_ppow_block_window", None)
+        return window.paused() if window is not None else contextlib.nullcontext()
+
     def _start_block(self, slot_logits: torch.Tensor) -> torch.Tensor:
         self.slot_logits, self.slot = slot_logits, 0
         self.forwards += 1
@@ -375,8 +382,9 @@ class BlockSession:
         positions = torch.cat([torch.arange(self.context, anchor, device=device),
                                torch.arange(anchor, anchor + self.block_size, device=device)]).unsqueeze(0)
         self.cache.set_previous_accepted_tokens(wanted)
-        out = self.drafter(noise_embeds=self.embed(ids), context_hidden_states=context, position_ids=positions,
-                           cache=self.cache)
+        with self._full_block():
+            out = self.drafter(noise_embeds=self.embed(ids), context_hidden_states=context, position_ids=positions,
+                               cache=self.cache)
         self.context = anchor
         return self._start_block(self._logits(out.last_hidden_state[:, 1:]))
 

@@ -160,3 +160,71 @@ def test_ppow_trains_a_block_drafter_with_the_sampled_log_probs(trained, tmp_pat
     trainer.train()
     metrics = trainer.evaluate()
     assert metrics["eval_tau"] >= 1.0
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_native_route_is_lossless_with_the_adaptive_window(trained, tmp_path, threshold):
+    """target.generate(assistant_model=drafter, speculation_type="dflash"): stock transformers (AutoModel, no hook)
+    and load_assistant's adaptive window both reproduce plain greedy; with the hook each round's window is the
+    policy's rule on the block our session drafts after the same committed prefix."""
+    from ppow_trl.assisted import load_assistant, save_assistant
+    from ppow_trl.drafting import drafting_session
+
+    target, drafter = trained["target"], trained["drafter"]
+    policy = AdaptiveWindowPolicy(max_window=4, threshold=threshold)
+    save_assistant(drafter, tmp_path / "drafter", policy=policy, tokenizer=trained["tokenizer"])
+    stock = AutoModel.from_pretrained(tmp_path / "drafter")
+    assert type(stock) is MuseGlimmerAssistantModel and not hasattr(stock, "_ppow_block_window")
+    with pytest.raises(ValueError, match="target=target"):
+        load_assistant(tmp_path / "drafter")
+    adaptive = load_assistant(tmp_path / "drafter", target=target)
+    window = adaptive._ppow_block_window
+    for prompt in trained["responses"]["prompt_ids"][:4]:
+        prompt = torch.tensor([prompt])
+        kwargs = dict(do_sample=False, max_new_tokens=14, pad_token_id=0, eos_token_id=None,
+                      attention_mask=torch.ones_like(prompt))
+        plain = target.generate(prompt, **kwargs)
+        assert torch.equal(target.generate(prompt, assistant_model=stock, speculation_type="dflash", **kwargs), plain)
+        window.window_lengths.clear(), window.anchors.clear()
+        assert torch.equal(target.generate(prompt, assistant_model=adaptive, speculation_type="dflash", **kwargs), plain)
+        # what the rule picks after prompt + text[:s], from our session's block (teacher forced, exact for blocks)
+        text = plain[0, prompt.shape[1]:].tolist()
+        session = drafting_session(drafter, target)
+        features = target_features(target, plain, layer_ids=session.target_layer_ids)[0]
+        confidences = torch.stack([policy.confidence(logits) for _, logits in
+                                   session.teacher_forced_logits(prompt[0].tolist(), text, policy.max_window, features)], 1)
+        expected = policy.window_lengths(confidences).tolist()
+        assert len(window.anchors) > 1
+        for anchor, length in zip(window.anchors, window.window_lengths):
+            assert length == expected[anchor + 1 - prompt.shape[1]]
+    if threshold > 0:
+        assert min(window.window_lengths) < policy.max_window  # the rule cut some windows
+
+
+def test_native_route_sampling_matches_target_distribution():
+    """Chi-square through target.generate(assistant_model=drafter, speculation_type="dflash", do_sample=True) with
+    the adaptive window and an untrained (often rejected) drafter: the first two new tokens follow the target's
+    own law (bigram target, vocabulary 4)."""
+    from ppow_trl.dflash.assisted import attach_block_window
+
+    vocab, prompt = 4, torch.tensor([[1, 2, 3]])
+    g = torch.Generator().manual_seed(0)
+    target = make_bigram_llama(torch.randn(vocab, vocab, generator=g) * 1.2, num_layers=2)
+    target.generation_config.pad_token_id = 0
+    drafter = dflash_from_target(target, mask_token_id=0, block_size=4, target_layer_ids=[0, 1], seed=3).eval()
+    window = attach_block_window(drafter, target, AdaptiveWindowPolicy(3, 0.3))
+    with torch.no_grad():
+        step = torch.softmax(target(torch.arange(vocab)[None]).logits[0], -1)
+        first = torch.softmax(target(prompt).logits[0, -1], -1)
+    expected = (first[:, None] * step).flatten().double()
+    counts = torch.zeros(vocab * vocab, dtype=torch.double)
+    torch.manual_seed(5)
+    samples = 600
+    for _ in range(samples):
+        out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter,
+                              speculation_type="dflash", do_sample=True, top_k=0, max_new_tokens=3, eos_token_id=None)
+        counts[int(out[0, 3]) * vocab + int(out[0, 4])] += 1
+    assert window.window_lengths and min(window.window_lengths) < 3  # the rule cut the block (K = 3)
+    window.remove()
+    _, p_value = chisquare(counts.numpy(), (expected / expected.sum() * samples).numpy())
+    assert p_value > 1e-3
