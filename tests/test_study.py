@@ -199,9 +199,9 @@ def test_each_drafter_family_has_its_own_warm_start():
     from ppow_trl.study.report import ARM_ORDER
 
     for name, arm in ARMS.items():
-        assert arm.drafter in ("truncated", "eagle3")
+        assert arm.drafter in ("truncated", "eagle3", "dflash")
         if arm.starts_from_warm:
             assert ARMS[arm.kd_arm].drafter == arm.drafter and ORDER.index(arm.kd_arm) < ORDER.index(name)
             assert ARM_ORDER.index(warm_start_of(arm.drafter)) < ARM_ORDER.index(name)
-    assert [n for n in ARMS if ARMS[n].saves_warm_start] == ["kd", "eagle3_kd"]
+    assert [n for n in ARMS if ARMS[n].saves_warm_start] == ["kd", "eagle3_kd", "dflash_kd"]
     assert warm_start_of("eagle3") == "eagle3_kd_warm" and warm_start_of("truncated") == "kd_warm"

@@ -12,7 +12,9 @@ sees the same target-generated data and gets the same wall-clock training budget
   ``ppow_greedy``, PPOW rewarded by greedy verification (the regime of the primary measure).
 - the same protocol for another drafter family (``Arm.drafter``): ``eagle3_kd`` (an EAGLE-3 head reading the
   target's hidden states, KD with training-time test on cached target features) and ``eagle3_ppow`` (its state at
-  ``warm_seconds`` then PPOW), each family with its own warm start (``warm_start_of``).
+  ``warm_seconds`` then PPOW), each family with its own warm start (``warm_start_of``); ``dflash_kd`` (a DFlash
+  block drafter, transformers' ``MuseGlimmerAssistantModel``, KD on anchored blocks from the same cached features)
+  and ``dflash_ppow``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Arm:
     """One arm: ``kind`` "kd" (loss ``kd_loss``) or "ppow" (PPOWConfig fields ``ppow`` over the study's), for the
-    drafter family ``drafter``: "truncated" (the target's first layers) or "eagle3" (``ppow_trl.eagle3``)."""
+    drafter family ``drafter``: "truncated" (the target's first layers), "eagle3" (``ppow_trl.eagle3``) or "dflash"
+    (``ppow_trl.dflash``)."""
 
     name: str
     kind: str
@@ -48,7 +51,7 @@ class Arm:
 
 
 # The KD arm of each drafter family; its state at `warm_seconds` is `warm_start_of(family)`.
-KD_ARM = {"truncated": "kd", "eagle3": "eagle3_kd"}
+KD_ARM = {"truncated": "kd", "eagle3": "eagle3_kd", "dflash": "dflash_kd"}
 
 
 def warm_start_of(drafter: str) -> str:
@@ -80,10 +83,14 @@ ARMS = {arm.name: arm for arm in [
         kd={"learning_rate": 2e-3}),
     Arm("eagle3_kd_ttt1", "kd", "EAGLE-3 head, KD without training-time test (1 step)", drafter="eagle3",
         kd={"ttt_steps": 1}),
+    Arm("dflash_kd", "kd", "DFlash block drafter (2 layers, blocks of 8), KD on anchored blocks, whole budget",
+        drafter="dflash"),
+    Arm("dflash_ppow", "ppow", "DFlash block drafter: KD warm start, then PPOW (full)", drafter="dflash"),
 ]}
 # Evaluated, not trained: each family's KD arm's state at the warm-start point.
 WARM = warm_start_of("truncated")
 WARM_STARTS = [warm_start_of(family) for family in KD_ARM]
 # The order arms run in: the two KD arms first (the warm start comes from `kd`), then PPOW and its ablations.
 ORDER = ["kd", "kd_tv", "ppow", "ppow_greedy", "ppow_no_cost", "ppow_no_prox", "ppow_uniform", "ppow_fixed_k",
-         "ppow_per_token", "ppow_seed1", "eagle3_kd", "eagle3_ppow", "eagle3_kd_lr2e-3", "eagle3_kd_ttt1"]
+         "ppow_per_token", "ppow_seed1", "eagle3_kd", "eagle3_ppow", "eagle3_kd_lr2e-3", "eagle3_kd_ttt1", "dflash_kd",
+         "dflash_ppow"]

@@ -17,7 +17,9 @@ BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 BASELINE = "kd"
 TEST_SETS = {"mtbench": "MT-bench first turns", "sharegpt_test": "held-out ShareGPT prompts (test split, <= 512 tokens)"}
 # Each family's warm start is listed right before the family's first PPOW arm (the truncated one first of all).
-ARM_ORDER = [WARM] + [n for name in ORDER for n in ([warm_start_of("eagle3")] if name == "eagle3_ppow" else []) + [name]]
+# each family's warm start just before its PPOW arm
+_WARM_BEFORE = {"eagle3_ppow": warm_start_of("eagle3"), "dflash_ppow": warm_start_of("dflash")}
+ARM_ORDER = [WARM] + [n for name in ORDER for n in ([_WARM_BEFORE[name]] if name in _WARM_BEFORE else []) + [name]]
 RATIO_NAMES = {"accepted": "expected_accepted", "tokens": "tau"}
 
 

@@ -184,9 +184,7 @@ def _cost_and_policy(target, tokenizer, drafter, calibration, config: StudyConfi
 
 def _evaluate_warm(name, target, tokenizer, calibration, tests, config, eos, threads, results, work, budget) -> None:
     """A KD arm's state at the warm-start point, evaluated like an arm (the start of its family's PPOW arms)."""
-    from ..models import load_target
-
-    drafter = load_target(str(work / name))
+    drafter = _load_drafter(work / name)
     cost, policy = _cost_and_policy(target, tokenizer, drafter, calibration, config)
     warm = json.loads((work / name / "warm_start.json").read_text())
     history = [row for row in budget.history if row["train_seconds"] <= config.warm_seconds + 60]
@@ -194,6 +192,18 @@ def _evaluate_warm(name, target, tokenizer, calibration, tests, config, eos, thr
                      None, warm, policy, cost, evaluate_arm(target, tokenizer, drafter, policy, tests, config, eos),
                      warm["train_seconds"], None, history=history)
     _write(results / "arms" / f"{name}.json", result)
+
+
+# The DFlash arms' drafter: blocks of 8 (7 drafted slots >= the study's K = 6), 2 layers like the truncated drafter.
+DFLASH_BLOCK, DFLASH_LAYERS = 8, 2
+
+
+def _load_drafter(folder: Path):
+    """A saved drafter of any family: transformers' DFlash layout through ``AutoModel``, else ``load_target``."""
+    from ..dflash.assisted import is_block_folder, load_block_drafter
+    from ..models import load_target
+
+    return load_block_drafter(folder) if is_block_folder(folder) else load_target(str(folder))
 
 
 def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_vocab, probe, work: Path):
@@ -211,6 +221,14 @@ def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_voc
 
         drafter = Eagle3DrafterForCausalLM.from_target(target, draft_vocab_ids=draft_vocab, seed=config.seed).train()
         topk = train_features(target, topk, drafter.config.target_layer_ids, config.data)
+    elif arm.drafter == "dflash":
+        from ..dflash import choose_mask_token_id, dflash_from_target, feature_layers
+        from .data import train_features
+
+        # Reads the same hidden states as the EAGLE-3 head (2/15/27), so the same cached feature column.
+        drafter = dflash_from_target(target, mask_token_id=choose_mask_token_id(tokenizer), block_size=DFLASH_BLOCK,
+                                     num_hidden_layers=DFLASH_LAYERS, seed=config.seed).train()
+        topk = train_features(target, topk, feature_layers(drafter), config.data)
     else:
         drafter = make_drafter(target, num_layers=config.drafter_layers, draft_vocab_ids=draft_vocab).train()
     milestones, holder = {}, {}
@@ -252,7 +270,7 @@ def _train_ppow(arm: Arm, config: StudyConfig, target, tokenizer, train, calibra
         raise FileNotFoundError(f"{warm} has no warm start: run the '{arm.kd_arm}' arm first (it saves it).")
     if json.loads((warm / "warm_start.json").read_text()).get("config") != json.loads(json.dumps(config.to_dict())):
         raise ValueError(f"{warm} was trained under another study config: rerun the '{arm.kd_arm}' arm first.")
-    drafter = load_target(str(warm)).train()
+    drafter = _load_drafter(warm).train()
     settings = dict(output_dir=str(work / "trainer" / arm.name), max_window=config.max_window,
                     window_threshold=config.window_threshold, num_generations=config.num_generations,
                     per_device_train_batch_size=config.ppow_contexts_per_step * config.num_generations,
@@ -266,7 +284,9 @@ def _train_ppow(arm: Arm, config: StudyConfig, target, tokenizer, train, calibra
                             probe_every=config.probe_every_seconds)
     # The cost model is measured before the budget starts, as for the KD arms (a set-up cost, not training).
     cost = calibrate_cost_model(target, drafter, config.max_window, repeats=9)
-    lora = LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r, task_type="CAUSAL_LM",
+    # a block drafter is a base model (no LM head): PEFT's plain wrapper
+    task_type = None if arm.drafter == "dflash" else "CAUSAL_LM"
+    lora = LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r, task_type=task_type,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     trainer = PPOWTrainer(model=drafter, target_model=target, args=args, train_dataset=train, eval_dataset=calibration,
                           processing_class=tokenizer, peft_config=lora, callbacks=[budget], cost_model=cost)
