@@ -26,6 +26,9 @@ from ppow_trl import KDConfig, KDTrainer, PPOWConfig, PPOWTrainer
 from ppow_trl.assisted import save_assistant
 from ppow_trl.bench import BenchDrafter, run_benchmark
 from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts, main_process_first
+from ppow_trl.dflash import choose_mask_token_id, detect_dflash_format, dflash_from_target, export_dflash, import_dflash
+from ppow_trl.dflash.assisted import load_block_drafter
+from ppow_trl.drafting import target_layer_ids
 from ppow_trl.eagle3 import Eagle3DrafterForCausalLM, compute_target_features, export_eagle3
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target, make_drafter
 from ppow_trl.model_card import PROTOCOL
@@ -48,8 +51,21 @@ class PPOWScriptArguments:
         drafter_layers (`int`, *optional*, defaults to `2`):
             Layers kept when the drafter is the truncated target.
         drafter_type (`str`, *optional*, defaults to `"standalone"`):
-            `standalone` (a causal LM: the truncated target or `drafter_model`) or `eagle3` (an EAGLE-3 head reading
-            the target's hidden states, `ppow_trl.eagle3`: KD with training-time test, PPOW through the same trainer).
+            `standalone` (a causal LM: the truncated target or `drafter_model`), `eagle3` (an EAGLE-3 head reading
+            the target's hidden states, `ppow_trl.eagle3`: KD with training-time test, PPOW through the same trainer)
+            or `dflash` (a DFlash block drafter, `ppow_trl.dflash`: transformers' `MuseGlimmerAssistantModel`, KD on
+            anchored blocks, PPOW; served by `target.generate(speculation_type="dflash")`).
+        dflash_checkpoint (`str`, *optional*):
+            `dflash` only: start from this drafter (transformers' layout, or z-lab's / speculators') instead of a fresh
+            one.
+        dflash_block_size (`int`, *optional*, defaults to `8`):
+            `dflash` only: positions per block (the anchor and `block_size - 1` drafted slots; `max_window` must not
+            exceed `block_size - 1`).
+        dflash_layers (`int`, *optional*, defaults to `2`):
+            `dflash` only: decoder layers of a fresh drafter.
+        dflash_mask_token_id (`int`, *optional*):
+            `dflash` only: the id filling a fresh drafter's masked slots (default: the tokenizer's mask token, else
+            its highest special token absent from chat text; SmolLM2: 16, `<empty_output>`).
         eagle3_checkpoint (`str`, *optional*):
             `eagle3` only: start from this head (our folder, or SpecForge's / speculators' layout: bring your own
             EAGLE-3 head) instead of a fresh one.
@@ -59,8 +75,10 @@ class PPOWScriptArguments:
         ttt_steps (`int`, *optional*, defaults to `3`):
             `eagle3` only: training-time-test steps of the KD warm start.
         export_format (`str`, *optional*):
-            `eagle3` only: also export the merged head for serving engines (`specforge`: SGLang / vLLM
+            `eagle3`: also export the merged head for serving engines (`specforge`: SGLang / vLLM
             `method: eagle3`; `speculators`: vLLM's speculators format) to `<output_dir>/eagle3-<format>`.
+            `dflash`: `zlab` (z-lab's `DFlashDraftModel`: vLLM `method: dflash`, SGLang) or `speculators`, to
+            `<output_dir>/dflash-<format>`.
         draft_vocab_size (`int`, *optional*, defaults to `8192`):
             Reduced output head of the drafter (most frequent ids of the target's responses); 0 keeps the full head.
         train_prompts (`str`, *optional*, defaults to `"sharegpt"`):
@@ -91,11 +109,16 @@ class PPOWScriptArguments:
     target_model: str = field(default=OFFLINE_TARGET, metadata={"help": "Target: Hub id, path, or the offline SmolLM2."})
     drafter_model: str | None = field(default=None, metadata={"help": "Pretrained drafter; default: truncated target."})
     drafter_layers: int = field(default=2, metadata={"help": "Layers of the truncated-target drafter."})
-    drafter_type: str = field(default="standalone", metadata={"help": "standalone | eagle3"})
+    drafter_type: str = field(default="standalone", metadata={"help": "standalone | eagle3 | dflash"})
+    dflash_checkpoint: str | None = field(default=None, metadata={"help": "DFlash drafter to start from (any layout)."})
+    dflash_block_size: int = field(default=8, metadata={"help": "Positions per DFlash block (anchor + drafted slots)."})
+    dflash_layers: int = field(default=2, metadata={"help": "Decoder layers of a fresh DFlash drafter."})
+    dflash_mask_token_id: int | None = field(default=None, metadata={"help": "Mask token of a fresh DFlash drafter."})
     eagle3_checkpoint: str | None = field(default=None, metadata={"help": "EAGLE-3 head to start from (any layout)."})
     eagle3_layer_ids: list[int] | None = field(default=None, metadata={"help": "Target hidden states the head reads."})
     ttt_steps: int = field(default=3, metadata={"help": "Training-time-test steps of the EAGLE-3 KD warm start."})
-    export_format: str | None = field(default=None, metadata={"help": "specforge | speculators (EAGLE-3 export)."})
+    export_format: str | None = field(default=None, metadata={
+        "help": "specforge | speculators (EAGLE-3 export); zlab | speculators (DFlash export)."})
     draft_vocab_size: int = field(default=8192, metadata={"help": "Reduced drafter head; 0 = full head."})
     train_prompts: str = field(default="sharegpt", metadata={"help": "sharegpt | mtbench | path.jsonl"})
     num_train_prompts: int = field(default=32, metadata={"help": "Prompts regenerated by the target for training."})
@@ -109,12 +132,16 @@ class PPOWScriptArguments:
     cache_dir: str | None = field(default=None, metadata={"help": "Cache of regenerated data."})
 
     def __post_init__(self):
-        if self.drafter_type not in ("standalone", "eagle3"):
-            raise ValueError(f"drafter_type must be 'standalone' or 'eagle3', got {self.drafter_type!r}.")
-        if self.drafter_type != "eagle3" and (self.eagle3_checkpoint or self.eagle3_layer_ids or self.export_format):
-            raise ValueError("eagle3_checkpoint / eagle3_layer_ids / export_format need drafter_type: eagle3.")
-        if self.export_format not in (None, "specforge", "speculators"):
-            raise ValueError(f"export_format must be 'specforge' or 'speculators', got {self.export_format!r}.")
+        if self.drafter_type not in ("standalone", "eagle3", "dflash"):
+            raise ValueError(f"drafter_type must be 'standalone', 'eagle3' or 'dflash', got {self.drafter_type!r}.")
+        if self.drafter_type != "eagle3" and (self.eagle3_checkpoint or self.eagle3_layer_ids):
+            raise ValueError("eagle3_checkpoint / eagle3_layer_ids need drafter_type: eagle3.")
+        if self.drafter_type != "dflash" and self.dflash_checkpoint:
+            raise ValueError("dflash_checkpoint needs drafter_type: dflash.")
+        formats = {"eagle3": ("specforge", "speculators"), "dflash": ("zlab", "speculators")}.get(self.drafter_type, ())
+        if self.export_format is not None and self.export_format not in formats:
+            raise ValueError(f"export_format {self.export_format!r} does not apply to drafter_type "
+                             f"{self.drafter_type!r} (allowed: {list(formats) or 'none'}).")
         if not 0.0 < self.calibration_fraction < 1.0:
             raise ValueError(f"calibration_fraction must lie in (0, 1), got {self.calibration_fraction}.")
         if self.num_train_prompts < 2:
@@ -160,6 +187,9 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     if script_args.drafter_type == "eagle3":
         drafter = _named("eagle3_checkpoint", script_args.eagle3_checkpoint, lambda: make_eagle3_drafter(
             target, script_args, draft_vocab))
+    elif script_args.drafter_type == "dflash":  # full vocabulary: it drafts through the target's own head
+        drafter = _named("dflash_checkpoint", script_args.dflash_checkpoint, lambda: make_dflash_drafter(
+            target, tokenizer, script_args))
     else:
         drafter = _named("drafter_model", script_args.drafter_model, lambda: make_drafter(
             target, num_layers=None if script_args.drafter_model else script_args.drafter_layers,
@@ -168,8 +198,8 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     if script_args.kd_steps:
         with main_process_first():
             topk = compute_target_topk(target, train_data, top_k=32, batch_size=8, cache_dir=cache / "topk")
-            if script_args.drafter_type == "eagle3":  # the head's inputs, computed once (float16, cached)
-                topk = compute_target_features(target, topk, drafter.config.target_layer_ids, batch_size=8,
+            if script_args.drafter_type != "standalone":  # the drafter's inputs, computed once (float16, cached)
+                topk = compute_target_features(target, topk, target_layer_ids(drafter), batch_size=8,
                                                cache_dir=cache / "features")
         kd_args = KDConfig(output_dir=str(Path(training_args.output_dir) / "kd"), max_steps=script_args.kd_steps,
                            per_device_train_batch_size=8, learning_rate=script_args.kd_learning_rate,
@@ -182,9 +212,11 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
 
     # The held-out responses are the trainer's eval_dataset: eval_tau at eval_steps (if eval_strategy is set) and,
     # at the end of train(), the calibration of (K, h) in training_args.calibration_regime.
+    peft_config = get_peft_config(model_args)
+    if peft_config is not None and script_args.drafter_type == "dflash":
+        peft_config.task_type = None  # a DFlash drafter is a base model (no LM head): PEFT's plain wrapper
     trainer = PPOWTrainer(model=drafter, target_model=target, args=training_args, train_dataset=train_data,
-                          eval_dataset=calibration_data, processing_class=tokenizer,
-                          peft_config=get_peft_config(model_args))
+                          eval_dataset=calibration_data, processing_class=tokenizer, peft_config=peft_config)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
@@ -198,7 +230,11 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         if script_args.merge_adapter and standalone is not unwrapped:
             save_assistant(standalone, Path(training_args.output_dir) / "merged", policy=trainer.window_policy,
                            cost_model=trainer.cost_model, tokenizer=tokenizer)
-        if script_args.export_format:
+        if script_args.export_format and script_args.drafter_type == "dflash":
+            folder = Path(training_args.output_dir) / f"dflash-{script_args.export_format}"
+            export_dflash(standalone, folder, format=script_args.export_format, target=target)
+            logger.info("DFlash drafter exported in the %s layout to %s", script_args.export_format, folder)
+        elif script_args.export_format:
             folder = Path(training_args.output_dir) / f"eagle3-{script_args.export_format}"
             export_eagle3(standalone, folder, format=script_args.export_format)
             logger.info("EAGLE-3 head exported in the %s layout to %s", script_args.export_format, folder)
@@ -230,7 +266,29 @@ def make_eagle3_drafter(target, script_args, draft_vocab):
                                                 target_name_or_path=script_args.target_model)
 
 
+def make_dflash_drafter(target, tokenizer, script_args):
+    """A fresh DFlash block drafter for ``target`` (mask token chosen from the tokenizer), or the given checkpoint."""
+    if script_args.dflash_checkpoint:
+        folder = script_args.dflash_checkpoint
+        if not Path(folder).is_dir():  # a Hub repo id (e.g. a z-lab drafter)
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(folder)
+        if detect_dflash_format(folder) == "transformers":
+            return load_block_drafter(folder)
+        return import_dflash(folder, target=target)
+    mask = script_args.dflash_mask_token_id
+    return dflash_from_target(target, mask_token_id=choose_mask_token_id(tokenizer) if mask is None else mask,
+                              block_size=script_args.dflash_block_size, num_hidden_layers=script_args.dflash_layers,
+                              target_name_or_path=script_args.target_model)
+
+
 def _drafter_description(script_args, drafter) -> str:
+    if script_args.drafter_type == "dflash":
+        start = f"from {script_args.dflash_checkpoint}" if script_args.dflash_checkpoint else "fresh"
+        config = drafter.config
+        return (f"DFlash block drafter ({start}; {config.num_hidden_layers} layers, blocks of {config.block_size}, "
+                f"mask token {config.mask_token_id}) reading target layers {list(config.target_layer_ids)}")
     if script_args.drafter_type == "eagle3":
         start = f"from {script_args.eagle3_checkpoint}" if script_args.eagle3_checkpoint else "fresh"
         return (f"EAGLE-3 head ({start}) reading target hidden states {drafter.config.target_layer_ids}, "

@@ -228,3 +228,96 @@ def test_native_route_sampling_matches_target_distribution():
     window.remove()
     _, p_value = chisquare(counts.numpy(), (expected / expected.sum() * samples).numpy())
     assert p_value > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["zlab", "speculators"])
+def test_export_round_trips_the_block_logits(trained, tmp_path, layout):
+    """export_dflash -> import_dflash gives the same block logits; the files have the engines' names and ids."""
+    import json
+
+    from ppow_trl.dflash import detect_dflash_format, export_dflash, import_dflash
+    from safetensors.torch import load_file
+
+    target, drafter = trained["target"], trained["drafter"]
+    export_dflash(drafter, tmp_path, format=layout, target=target)
+    config = json.loads((tmp_path / "config.json").read_text())
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight"} <= keys
+    assert not any(k.startswith("encoder.") for k in keys)
+    if layout == "zlab":
+        assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+        assert config["dflash_config"]["target_layer_ids"] == LAYERS and config["dflash_config"]["mask_token_id"] == MASK_ID
+        assert config["is_causal"] is False and "lm_head.weight" not in keys
+    else:
+        assert config["aux_hidden_state_layer_ids"] == [i + 1 for i in LAYERS] and "lm_head.weight" in keys
+    assert detect_dflash_format(tmp_path) == layout
+    loaded = import_dflash(tmp_path, target=target)
+    sequence = torch.tensor([trained["responses"]["prompt_ids"][0] + trained["responses"]["response_ids"][0]])
+    features = target_features(target, sequence, layer_ids=feature_layers(drafter))
+    anchors = torch.arange(2, sequence.shape[1] - 1)[None]
+    head = target.get_output_embeddings()
+    with torch.no_grad():
+        a = head(anchored_block_hidden(drafter, target.get_input_embeddings(), features, sequence[:, anchors[0]], anchors))
+        b = head(anchored_block_hidden(loaded, target.get_input_embeddings(), features, sequence[:, anchors[0]], anchors))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="not a z-lab or speculators"):
+        import_dflash(tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_offline_smollm2_routes_are_lossless(tmp_path):
+    """The real target (SmolLM2-135M-Instruct): mask token 16 (<empty_output>), layers 1/14/26 (hidden states
+    2/15/27, EAGLE-3's); our loop, exact greedy tau, stock transformers' DFlash route and the adaptive one all
+    reproduce plain greedy (an untrained drafter: the mechanics, not the acceptance)."""
+    from transformers import AutoTokenizer
+
+    from ppow_trl.assisted import load_assistant, save_assistant
+    from ppow_trl.dflash import choose_mask_token_id
+    from ppow_trl.models import load_target
+    from ppow_trl.offline import smollm2_path
+
+    target = load_target(smollm2_path())
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    assert choose_mask_token_id(tokenizer) == 16
+    drafter = dflash_from_target(target, mask_token_id=16, num_hidden_layers=1).eval()
+    assert drafter.config.target_layer_ids == [1, 14, 26] and feature_layers(drafter) == [2, 15, 27]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                        add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    mask = torch.ones_like(ids)  # the prompt holds <|im_end|> = the pad id: HF would mask it without this
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=None)
+    policy = AdaptiveWindowPolicy(3, 0.0)
+    ours = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(ours.sequences, plain[:, : ours.sequences.shape[1]])
+    exact = exact_greedy_tau(target, drafter, ids, policy=policy, max_new_tokens=12, eos_token_id=[])
+    assert exact.accepted_per_round == ours.accepted_per_round
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=None, speculation_type="dflash")
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), plain)
+    save_assistant(drafter, tmp_path, policy=AdaptiveWindowPolicy(4, 0.9), tokenizer=tokenizer)
+    assistant = load_assistant(tmp_path, target=target)
+    assert torch.equal(target.generate(ids, assistant_model=assistant, **kwargs), plain)
+    assert assistant._ppow_block_window.window_lengths  # the rule ran on every round
+
+
+def test_bench_takes_block_drafters(trained, tmp_path, capsys):
+    """python -m ppow_trl.bench: a DFlash drafter runs as stock transformers' fixed block (hf_assisted), with our
+    adaptive window (hook) and in our loop, all lossless; HF's other schedules are skipped with a message; the cost
+    model is per round."""
+    import json
+
+    from ppow_trl.bench import BenchDrafter, main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": " ".join(f"w{(7 * i + j) % 56}" for j in range(6))})
+                               + "\n" for i in range(2)))
+    drafters = [BenchDrafter("dflash", trained["drafter"], AdaptiveWindowPolicy(max_window=4, threshold=0.3))]
+    report = main(["--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "12", "--modes", "greedy",
+                   "--methods", "target", "hf_assisted", "hf_heuristic", "hook", "fast_adaptive", "--output",
+                   str(tmp_path / "b"), "--no-progress", "--cost-repeats", "1", "--warmup-tokens", "2"],
+                  target=trained["target"], tokenizer=trained["tokenizer"], drafters=drafters)
+    assert "hf_heuristic skipped for dflash" in capsys.readouterr().err
+    assert {r["method"] for r in report["records"]} == {"target", "hf_assisted", "hook", "fast_adaptive"}
+    assert all(r["lossless"] for r in report["records"])
+    loop = [r for r in report["records"] if r["method"] == "fast_adaptive"]
+    assert max(r["tau"] for r in loop) > 1.0
+    assert all(r["drafter_forwards"] == sum(1 for w in r["window_lengths"] if w) for r in loop)
+    assert report["drafters"][0]["cost_per_round"] is True

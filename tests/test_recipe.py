@@ -130,3 +130,49 @@ def test_eagle3_pipeline_runs_on_tiny_models(tmp_path):
     features = target_features(target, ids, layer_ids=[0, 1, 2])
     torch.testing.assert_close(exported(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1]).logits,
                                assistant(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1]).logits)
+
+
+def test_dflash_pipeline_runs_on_tiny_models(tmp_path):
+    """drafter_type: dflash end to end: cached features, KD on anchored blocks, PPOW with LoRA (plain PEFT wrapper),
+    calibration, evaluation, the merged drafter saved in transformers' layout (native route, lossless) and exported
+    in z-lab's layout (re-imported with identical block outputs)."""
+    target_dir = tmp_path / "target"
+    make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5).save_pretrained(target_dir)
+    make_tiny_tokenizer().save_pretrained(target_dir)
+    args = [
+        "--target_model", str(target_dir), "--drafter_type", "dflash", "--dflash_block_size", "4",
+        "--dflash_layers", "1", "--dflash_mask_token_id", "6", "--export_format", "zlab", "--draft_vocab_size", "0",
+        "--train_prompts", str(write_prompts(tmp_path / "train.jsonl", 10, 0)), "--num_train_prompts", "10",
+        "--max_new_tokens", "8", "--kd_steps", "2",
+        "--eval_prompts", str(write_prompts(tmp_path / "eval.jsonl", 2, 1)), "--num_eval_prompts", "2",
+        "--eval_max_new_tokens", "6", "--merge_adapter", "True", "--cache_dir", str(tmp_path / "cache"),
+        "--output_dir", str(tmp_path / "out"), "--max_window", "3", "--num_generations", "4",
+        "--per_device_train_batch_size", "8", "--max_steps", "2", "--report_to", "none", "--save_strategy", "no",
+        "--drafter_cost", "0.3", "--verify_cost", "1.0", "1.4", "1.6", "1.8",
+        "--use_peft", "True", "--lora_r", "4", "--lora_target_modules", "fc", "q_proj", "v_proj",
+    ]
+    script, training, model = ppow_llama.make_parser().parse_args_and_config(args=args)
+    trainer = ppow_llama.main(script, training, model)
+    out = tmp_path / "out"
+    assert trainer.state.global_step == 2 and "DFlash block drafter" in (out / "README.md").read_text()
+    from transformers import AutoModel
+
+    from ppow_trl.assisted import load_assistant
+    from ppow_trl.dflash import anchored_block_hidden, import_dflash
+
+    target = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5)
+    assistant = load_assistant(out / "merged", target=target)
+    ids = torch.tensor([[2, 4, 9, 10, 3, 2, 5]])
+    plain = target.generate(ids, do_sample=False, max_new_tokens=8)
+    assert torch.equal(target.generate(ids, assistant_model=assistant, speculation_type="dflash", do_sample=False,
+                                       max_new_tokens=8), plain)
+    exported = import_dflash(out / "dflash-zlab", target=target)
+    stock = AutoModel.from_pretrained(out / "merged")
+    from ppow_trl.eagle3 import target_features
+
+    features = target_features(target, ids, layer_ids=[i + 1 for i in stock.config.target_layer_ids])
+    anchors = torch.tensor([[3, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            anchored_block_hidden(exported, target.get_input_embeddings(), features, ids[:, [3, 5]], anchors),
+            anchored_block_hidden(stock, target.get_input_embeddings(), features, ids[:, [3, 5]], anchors))

@@ -12,7 +12,9 @@ import torch
 
 from ..cost import CostModel, calibrate_cost_model
 from ..data import PROMPT_SOURCES, encode_prompt, load_prompts
-from ..drafting import reads_target_features
+from ..dflash import detect_dflash_format, import_dflash
+from ..dflash.assisted import load_block_drafter
+from ..drafting import drafter_family
 from ..eagle3 import detect_format, import_eagle3
 from ..models import check_compatibility, load_target, make_drafter
 from ..utils import set_cpu_threads
@@ -88,11 +90,18 @@ def _load_drafters(args, target, tokenizer, dtype) -> list[BenchDrafter]:
     drafters = []
     default_policy = AdaptiveWindowPolicy(max_window=args.max_window, threshold=args.threshold)
     for path in args.drafter:
-        if detect_format(path):  # an EAGLE-3 head in SpecForge's or speculators' layout
-            model = import_eagle3(path, target=target).to(device=next(target.parameters()).device, dtype=dtype)
+        device = next(target.parameters()).device
+        block_layout = detect_dflash_format(path)
+        if block_layout == "transformers":  # a DFlash drafter saved by save_pretrained / save_assistant
+            model = load_block_drafter(path, dtype=dtype).to(device)
+        elif block_layout:  # z-lab's or speculators' DFlash layout
+            model = import_dflash(path, target=target).to(device=device, dtype=dtype)
+        elif detect_format(path):  # an EAGLE-3 head in SpecForge's or speculators' layout
+            model = import_eagle3(path, target=target).to(device=device, dtype=dtype)
         else:
-            model = load_target(path, torch_dtype=dtype).to(next(target.parameters()).device)
-        family = "feature-conditioned (EAGLE-3)" if reads_target_features(model) else "standalone"
+            model = load_target(path, torch_dtype=dtype).to(device)
+        family = {"block": "DFlash block", "chain": "feature-conditioned (EAGLE-3)",
+                  "standalone": "standalone"}[drafter_family(model)]
         print(f"[bench] {path}: {type(model).__name__}, {family} drafter", file=sys.stderr)
         has_policy = (Path(path) / WINDOW_POLICY_FILE).is_file()
         policy = AdaptiveWindowPolicy.from_pretrained(path) if has_policy else default_policy

@@ -31,6 +31,7 @@ def _drafter_info(drafter: BenchDrafter) -> dict:
     return {"name": drafter.name, "source": drafter.source, "policy": dict(vars(drafter.policy)),
             "parameters": sum(p.numel() for p in drafter.model.parameters()),
             "cost_ratio": None if cost is None else cost.drafter_cost,
+            "cost_per_round": None if cost is None else cost.drafter_per_round,  # t_d of a block drafter's round
             "verify_cost": None if cost is None else cost.verify_cost}
 
 

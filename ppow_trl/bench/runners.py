@@ -91,18 +91,23 @@ class _Runner:
 
     def reset(self) -> None:
         """Fresh HF window settings (HF's heuristic K persists across calls otherwise)."""
-        if self.method in HF_SCHEDULES:
+        if self.method in HF_SCHEDULES and not _is_block(self.drafter):
             self.hf_config = _assistant_config(self.drafter, *HF_SCHEDULES[self.method])
 
     def __call__(self, input_ids, do_sample: bool, max_new_tokens: int, seed: int):
         if self.method in FAST_METHODS:
             return self._fast(input_ids, do_sample, max_new_tokens, seed)
         kwargs = {}
-        if self.method in HF_SCHEDULES:
+        if self.method in HF_SCHEDULES and _is_block(self.drafter):
+            # stock transformers' DFlash route: the fixed block (block_size - 1 tokens per round)
+            kwargs.update(assistant_model=self.drafter.model, speculation_type="dflash")
+        elif self.method in HF_SCHEDULES:
             self.drafter.model.generation_config = self.hf_config  # HF reads the window options from here
             kwargs["assistant_model"] = self.drafter.model
         elif self.method == "hook":
             kwargs["assistant_model"] = self.assistant
+            if _is_block(self.drafter):
+                kwargs["speculation_type"] = "dflash"  # with load_assistant's adaptive window
         elif self.method == "prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = self.k
         torch.manual_seed(seed)
@@ -128,12 +133,24 @@ class _Runner:
         return out.new_tokens, extra
 
 
+def _is_block(drafter: BenchDrafter | None) -> bool:
+    from ..drafting import drafter_family
+
+    return drafter is not None and drafter_family(drafter.model) == "block"
+
+
 def applies(method: str, drafter: BenchDrafter | None) -> bool:
     """Whether ``method`` can run ``drafter``: HF's own assistant schedules call the drafter's ``generate`` as a
-    causal LM, which a drafter reading the target's hidden states cannot do (it runs as ``hook`` and ``fast_*``)."""
+    causal LM, which a chain drafter reading the target's hidden states cannot do (it runs as ``hook`` and
+    ``fast_*``). A DFlash block drafter runs ``hf_assisted`` as stock transformers' ``speculation_type="dflash"``
+    (the fixed block); HF's other schedules do not exist for it."""
     from ..drafting import reads_target_features
 
-    return drafter is None or method not in HF_SCHEDULES or not reads_target_features(drafter.model)
+    if drafter is None or method not in HF_SCHEDULES:
+        return True
+    if _is_block(drafter):
+        return method == "hf_assisted"
+    return not reads_target_features(drafter.model)
 
 
 def _make_runners(methods, drafters, target, stop_ids, pad_id, vocab_size, assistants, lookup_k):
@@ -142,7 +159,8 @@ def _make_runners(methods, drafters, target, stop_ids, pad_id, vocab_size, assis
         for drafter in (drafters if method in DRAFTER_METHODS else [None]):
             if not applies(method, drafter):
                 print(f"[bench] {method} skipped for {drafter.name}: it reads the target's hidden states, which HF's "
-                      "own assistant schedules do not hand it (measured under 'hook' and 'fast_*').", file=sys.stderr)
+                      "own assistant schedules do not hand it (measured under 'hook' and 'fast_*'; a DFlash drafter "
+                      "also under 'hf_assisted', stock transformers' fixed block).", file=sys.stderr)
                 continue
             assistant = assistants.get(drafter.name) if drafter is not None else None
             runners.append(_Runner(method, drafter, target, stop_ids, pad_id, vocab_size, lookup_k, assistant))
@@ -154,11 +172,12 @@ def _hook_assistant(drafter: BenchDrafter, tokenizer, folder: Path, target=None)
     feature-conditioned drafter is attached to ``target`` (its hooks are removed with ``close_assistant``)."""
     from ..assisted import load_assistant, save_assistant
 
-    original = copy.deepcopy(drafter.model.generation_config)  # save_assistant also sets the in-memory config
+    original = copy.deepcopy(getattr(drafter.model, "generation_config", None))  # save_assistant sets it in memory
     try:
         save_assistant(drafter.model, folder, policy=drafter.policy, cost_model=drafter.cost_model, tokenizer=tokenizer)
     finally:
-        drafter.model.generation_config = original
+        if original is not None:
+            drafter.model.generation_config = original
     parameter = next(drafter.model.parameters())
     return load_assistant(folder, target=target).to(device=parameter.device, dtype=parameter.dtype).eval()
 
@@ -168,4 +187,7 @@ def close_assistant(assistant) -> None:
     tap = getattr(assistant, "_ppow_feature_tap", None)
     if tap is not None:
         tap.remove()
+    window = getattr(assistant, "_ppow_block_window", None)  # a DFlash drafter's window hook
+    if window is not None:
+        window.remove()
 

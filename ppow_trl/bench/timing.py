@@ -111,8 +111,11 @@ def run_benchmark(
     records = []
     with ExitStack() as stack:
         # Copies: save_assistant (the hook method) edits the live generation_config in place.
-        originals = {d.name: copy.deepcopy(d.model.generation_config) for d in drafters}
-        stack.callback(lambda: [setattr(d.model, "generation_config", originals[d.name]) for d in drafters])
+        # (A DFlash drafter is no generative model and has none.)
+        originals = {d.name: copy.deepcopy(d.model.generation_config) for d in drafters
+                     if getattr(d.model, "generation_config", None) is not None}
+        stack.callback(lambda: [setattr(d.model, "generation_config", originals[d.name]) for d in drafters
+                                if d.name in originals])
         counter = CallCounter()
         stack.callback(counter.close)
         counter.watch("target", target)

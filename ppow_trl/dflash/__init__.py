@@ -8,6 +8,7 @@ from .configuration import (
     dflash_config_for,
     hidden_state_indices,
 )
+from .convert import detect_dflash_format, export_dflash, import_dflash
 from .modeling import (
     anchored_block_hidden,
     block_input_ids,
@@ -28,6 +29,9 @@ __all__ = [
     "default_target_layer_ids",
     "dflash_config_for",
     "dflash_from_target",
+    "detect_dflash_format",
+    "export_dflash",
+    "import_dflash",
     "feature_layers",
     "hidden_state_indices",
     "is_block_drafter",

@@ -136,7 +136,8 @@ def format_tables(summary: dict, wallclock: dict | None) -> str:
     families = [name for name in summary if _family(name) != "truncated"]
     if families:
         lines += ["**Drafter families** (MT-bench, greedy, exact tau at each arm's calibrated policy; t_d/t_t and "
-                  "t_v(L)/t_t measured by `calibrate_cost_model` on this CPU, per drafted token; predicted speedup = "
+                  "t_v(L)/t_t measured by `calibrate_cost_model` on this CPU, per drafted token (per round for the DFlash "
+                  "block drafter, whose one forward drafts the window); predicted speedup = "
                   "the cost model's on the calibration contexts; PPOW / warm = E[A] of a PPOW arm over its own "
                   "family's KD warm start, paired over prompts)", "",
                   "| arm | family | tau [95% CI] | E[A] / KD (truncated) | PPOW / its warm start | t_d/t_t | "
@@ -146,12 +147,13 @@ def format_tables(summary: dict, wallclock: dict | None) -> str:
                 continue
             greedy = row["greedy"]["mtbench"]["policy"]
             to_warm = greedy.get("ratio_to_warm")
-            warm = "-" if not to_warm else f"{to_warm['expected_accepted']['ratio']:.2f} " \
-                f"{_ci(to_warm['expected_accepted']['ci'])}"
+            ratio = None if not to_warm else to_warm["expected_accepted"]["ratio"]
+            warm = "-" if ratio is None else f"{ratio:.2f} {_ci(to_warm['expected_accepted']['ci'])}"
             verify = "/".join(f"{v:.2f}" for v in row["verify_cost"][1:])
             predicted = row["predicted_speedup"]
+            per_round = " per round" if _family(name) == "dflash" else ""  # one block forward drafts the window
             lines.append(f"| {name} | {_family(name)} | {greedy['tau']:.3f} {_ci(greedy['tau_ci'], 3)} | "
-                         f"{_ratio(greedy)} | {warm} | {row['drafter_cost']:.3f} | {verify} | "
+                         f"{_ratio(greedy)} | {warm} | {row['drafter_cost']:.3f}{per_round} | {verify} | "
                          f"{'-' if predicted is None else f'{predicted:.2f}x'} |")
         lines.append("")
     if wallclock:
@@ -251,7 +253,10 @@ def write_report(results: Path, benchmarks_md: Path = Path("BENCHMARKS.md"), rea
         f"(PPOW arms: KD for {config['warm_seconds']:.0f} s, then PPOW). The `eagle3_*` arms train an EAGLE-3 head "
         "instead (`ppow_trl.eagle3`: one fused layer reading the target's hidden states 2/15/27, the same "
         f"{config['draft_vocab_size']}-token head ids, KD with 3-step training-time test on cached target features), "
-        "with their own warm start. Arms and their settings: "
+        "with their own warm start. The `dflash_*` arms train a DFlash block drafter (`ppow_trl.dflash`: "
+        "transformers' `MuseGlimmerAssistantModel`, 2 layers, blocks of 8, reading the same hidden states from the "
+        "same cached features through the target's own embedding and head; KD on 32 anchored blocks per sequence, "
+        "slot weights exp(-(k-1)/4)), with their own warm start. Arms and their settings: "
         "`ppow_trl/study/arms.py`, `ppow_trl/study/runner.py`.",
         "",
         format_tables(summary, wallclock),
