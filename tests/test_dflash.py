@@ -321,3 +321,26 @@ def test_bench_takes_block_drafters(trained, tmp_path, capsys):
     assert max(r["tau"] for r in loop) > 1.0
     assert all(r["drafter_forwards"] == sum(1 for w in r["window_lengths"] if w) for r in loop)
     assert report["drafters"][0]["cost_per_round"] is True
+
+
+def test_bad_inputs_get_errors_that_say_what_to_do(trained):
+    """A mismatched target, a window longer than the block, a mask token outside the vocabulary and a tokenizer with
+    no spare special token are refused with a message naming the fix."""
+    from ppow_trl.dflash import choose_mask_token_id, dflash_config_for
+    from ppow_trl.drafting import drafting_session
+
+    target, drafter = trained["target"], trained["drafter"]
+    with pytest.raises(ValueError, match="num_hidden_layers: drafter expects 4, target has 2"):
+        drafting_session(drafter, make_tiny_llama(num_layers=2))
+    with pytest.raises(ValueError, match="pass target="):
+        drafting_session(drafter)
+    with pytest.raises(ValueError, match="not a row of the target's embedding"):
+        dflash_config_for(target, mask_token_id=64)
+    with pytest.raises(ValueError, match="decoder layer indices"):
+        dflash_config_for(target, mask_token_id=6, target_layer_ids=[4])
+    with pytest.raises(ValueError, match="pass mask_token_id="):
+        choose_mask_token_id(trained["tokenizer"])  # word-level, no added special tokens
+    from ppow_trl.dflash.assisted import attach_block_window
+
+    with pytest.raises(ValueError, match="block_size - 1"):
+        attach_block_window(drafter, target, AdaptiveWindowPolicy(BLOCK))

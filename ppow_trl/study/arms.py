@@ -86,6 +86,10 @@ ARMS = {arm.name: arm for arm in [
     Arm("dflash_kd", "kd", "DFlash block drafter (2 layers, blocks of 8), KD on anchored blocks, whole budget",
         drafter="dflash"),
     Arm("dflash_ppow", "ppow", "DFlash block drafter: KD warm start, then PPOW (full)", drafter="dflash"),
+    # What limits the fresh block drafter at this budget: learning per step (its rate) or steps (a full-vocabulary
+    # head on every slot makes each step ~2.6x a truncated-drafter step here).
+    Arm("dflash_kd_lr2e-3", "kd", "DFlash block drafter, KD on anchored blocks, learning rate 2e-3", drafter="dflash",
+        kd={"learning_rate": 2e-3}),
 ]}
 # Evaluated, not trained: each family's KD arm's state at the warm-start point.
 WARM = warm_start_of("truncated")
@@ -93,4 +97,4 @@ WARM_STARTS = [warm_start_of(family) for family in KD_ARM]
 # The order arms run in: the two KD arms first (the warm start comes from `kd`), then PPOW and its ablations.
 ORDER = ["kd", "kd_tv", "ppow", "ppow_greedy", "ppow_no_cost", "ppow_no_prox", "ppow_uniform", "ppow_fixed_k",
          "ppow_per_token", "ppow_seed1", "eagle3_kd", "eagle3_ppow", "eagle3_kd_lr2e-3", "eagle3_kd_ttt1", "dflash_kd",
-         "dflash_ppow"]
+         "dflash_ppow", "dflash_kd_lr2e-3"]
