@@ -31,7 +31,7 @@ from ppow_trl.study.runner import WORK, StudyConfig, _load, _load_drafter
 from ppow_trl.utils import set_cpu_threads
 from ppow_trl.windowing import AdaptiveWindowPolicy
 
-BLOCK_ARMS = ("dflash_kd", "dflash_kd_warm", "dflash_ppow")
+BLOCK_ARMS = ("dflash_kd", "dflash_ppow")
 TOKEN_ARMS = ("kd", "eagle3_kd")  # per-token drafters, for the cost columns
 OUT = Path("benchmarks/results/dflash_block.json")
 FULL_BLOCK = 7
@@ -43,8 +43,11 @@ def main() -> None:
     target, tokenizer, _, calibration, tests, _ = _load(config)
     eos, vocab = stop_token_ids(target, tokenizer), len(tokenizer)
     contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4)
-    rows = {}
+    # resumable: finished arms are kept (each is written as soon as it is measured)
+    rows = json.loads(OUT.read_text())["arms"] if OUT.is_file() else {}
     for name in BLOCK_ARMS + TOKEN_ARMS:
+        if name in rows:
+            continue
         folder = WORK / name
         if not (folder / "config.json").is_file():
             print(f"skip {name}: no {folder}")
@@ -78,12 +81,12 @@ def main() -> None:
         row["seconds"] = round(time.perf_counter() - start, 1)
         rows[name] = row
         print(name, json.dumps(row)[:400], flush=True)
-    OUT.write_text(json.dumps({
-        "command": "python benchmarks/dflash_block.py", "threads": threads, "precision": "fp32",
-        "target": "SmolLM2-135M-Instruct (offline)", "contexts": len(contexts),
-        "mtbench_prompts": len(tests["mtbench"]), "max_new_tokens": config.data.eval_max_new_tokens,
-        "arms": rows}, indent=2) + "\n")
-    print("wrote", OUT)
+        OUT.write_text(json.dumps({
+            "command": "python benchmarks/dflash_block.py", "threads": threads, "precision": "fp32",
+            "target": "SmolLM2-135M-Instruct (offline)", "contexts": len(contexts),
+            "mtbench_prompts": len(tests["mtbench"]), "max_new_tokens": config.data.eval_max_new_tokens,
+            "arms": rows}, indent=2) + "\n")
+        print("wrote", OUT, flush=True)
 
 
 if __name__ == "__main__":
