@@ -344,3 +344,17 @@ def test_bad_inputs_get_errors_that_say_what_to_do(trained):
 
     with pytest.raises(ValueError, match="block_size - 1"):
         attach_block_window(drafter, target, AdaptiveWindowPolicy(BLOCK))
+
+
+def test_one_token_prompt_drafts_from_the_first_round(trained):
+    """Unlike a chain, a block needs no target feature to draft: with a one-token prompt the first round drafts
+    from an empty context; the output is still the target's greedy text."""
+    target, drafter = trained["target"], trained["drafter"]
+    prompt = torch.tensor([[9]])
+    reference = target.generate(prompt, do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
+    out = speculative_generate(target, drafter, prompt, policy=AdaptiveWindowPolicy(3), max_new_tokens=10,
+                               eos_token_id=[])
+    assert torch.equal(out.sequences[0], reference[0]) and out.drafted_per_round[0] == 3
+    exact = exact_greedy_tau(target, drafter, prompt, policy=AdaptiveWindowPolicy(3), max_new_tokens=10,
+                             eos_token_id=[])
+    assert exact.accepted_per_round == out.accepted_per_round
