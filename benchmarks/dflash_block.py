@@ -22,7 +22,6 @@ import json
 import time
 from pathlib import Path
 
-from ppow_trl.assisted import load_assistant  # noqa: F401  (the served route this measures)
 from ppow_trl.calibration import calibrate_policy, held_out_contexts
 from ppow_trl.cost import calibrate_cost_model
 from ppow_trl.data import stop_token_ids

@@ -35,6 +35,7 @@ import contextlib
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DFlashCache
 
 from .batching import left_pad, positions_from_mask, prefill_contexts
 from .dflash.modeling import anchored_block_hidden, check_target as check_block_target, is_block_drafter
@@ -321,8 +322,6 @@ class BlockSession:
     """
 
     def __init__(self, drafter, target):
-        from transformers.cache_utils import DFlashCache
-
         self.drafter = drafter
         self.model = base_drafter(drafter)
         self.embed = target.get_input_embeddings()
@@ -330,7 +329,6 @@ class BlockSession:
         self.block_size = int(self.model.config.block_size)
         self.max_window = self.block_size - 1  # drafted slots per block
         self.target_layer_ids = hidden_state_indices(self.model.config)
-        self._cache_class = DFlashCache
         self.cache = None
         self.context = 0  # committed positions whose features are in the cache
         self.features: list[torch.Tensor] = []
@@ -369,7 +367,7 @@ class BlockSession:
             raise RuntimeError(f"{have} target features for {wanted} new context positions.")
         device = self.model.encoder.fc.weight.device
         if self.cache is None:
-            self.cache = self._cache_class(config=self.model.config)
+            self.cache = DFlashCache(config=self.model.config)
             self.cache.activate_past_recording()
         crop_cache(self.cache, self.context)  # drop the previous block
         if new is None:
