@@ -96,6 +96,7 @@ from pathlib import Path
 
 from .cost import CostModel
 from .custom_generate import generate as _custom_generate_module
+from .custom_generate.generate import SpeculationGuard, WindowBudget
 from .custom_generate.generate import generate as _hook_generate
 from .utils import _looks_like_repo_id
 from .windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
@@ -127,13 +128,18 @@ def policy_dict(policy: AdaptiveWindowPolicy) -> dict:
 def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy, vocab_size: int | None = None):
     """Set a drafter's ``generation_config`` for HF's assisted generation with our rule; returns it.
 
-    ``num_assistant_tokens = K`` (HF drafts at most this many), ``num_assistant_tokens_schedule = "constant"``
+    ``num_assistant_tokens = K`` (HF drafts at most this many; with a guard, a ``WindowBudget`` that reads 0 while the
+    guard pauses, see ``ppow_trl.custom_generate.generate``), ``num_assistant_tokens_schedule = "constant"``
     (HF never changes K), ``assistant_confidence_threshold = 0`` (HF's per-token rule and its re-tuning are
     off), and ``ppow_window_policy = policy_dict(policy)`` (``K``, ``h``, ``T_c``; read by the hook), plus
     ``vocab_size`` when given (the tokenizer's length: confidences over those scores only, as in training).
     """
     policy = _check_policy(policy)
-    generation_config.num_assistant_tokens = policy.max_window
+    guard = policy.new_guard()
+    # K = 0: HF's loop asks for no candidate, every round is a plain target step. A guarded drafter gets a live
+    # budget (K, or 0 while the guard pauses; it is written as K).
+    generation_config.num_assistant_tokens = policy.max_window if guard is None else WindowBudget(policy.max_window,
+                                                                                                  guard)
     generation_config.num_assistant_tokens_schedule = "constant"
     generation_config.assistant_confidence_threshold = 0.0
     data = policy_dict(policy)

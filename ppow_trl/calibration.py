@@ -109,11 +109,19 @@ def calibrate_policy(
     pad_id: int = 0,
     batch_size: int = 16,
     seed: int = 0,
+    allow_no_speculation: bool = False,
+    guard: dict | None = None,
 ) -> tuple[AdaptiveWindowPolicy, dict]:
     """Choose ``(K <= max_window, h)`` for ``drafter`` on held-out ``contexts`` in the served ``regime``.
 
     Returns the policy (with ``calibration`` filled: regime, temperature, contexts, predicted speedup, E[A])
-    and a report with the grid (speedup of every ``(K, h)`` per regime) and the fixed-``K`` speedup.
+    and a report with the grid (speedup of every ``(K, h)`` per regime), the fixed-``K`` speedup and the chosen
+    rule's window lengths on the contexts (``window_lengths``, first regime).
+
+    Serving (the recipe, ``save_assistant`` callers): ``allow_no_speculation=True`` lets the grid choose ``K = 0``
+    when the measured cost model predicts no ``(K, h)`` above 1x; ``guard={"window": W, "probe_every": N}`` attaches
+    the online guard (``SpeculationGuard``) with its break-even set to the chosen rule's mean round time on these
+    contexts, ``b = mean_n (L_n t_d + t_v(L_n)) / t_t``: a round must yield that many tokens to pay.
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}.")
@@ -128,7 +136,8 @@ def calibrate_policy(
         for name in regimes
     }
     grids = {name: calibrate_window_policy(conf, prefix, cost_model, thresholds=thresholds, max_windows=max_windows,
-                                           confidence_temperature=confidence_temperature)[1]
+                                           confidence_temperature=confidence_temperature,
+                                           allow_no_speculation=allow_no_speculation)[1]
              for name, (conf, prefix) in rollouts.items()}
     # The grids list the same (K, h) in the same order; "both" maximises the mean speedup.
     mean = [sum(grids[name][i]["speedup"] for name in regimes) / len(regimes) for i in range(len(grids[regimes[0]]))]
@@ -140,6 +149,10 @@ def calibrate_policy(
         lengths = policy.window_lengths(conf)
         keep = torch.arange(prefix.shape[1]) < lengths.unsqueeze(-1)
         expected[name] = float((prefix * keep).sum(-1).mean())
+    lengths = policy.window_lengths(rollouts[regimes[0]][0])
+    if guard is not None and policy.max_window > 0:
+        policy.guard = {**guard, "break_even_tokens": float(cost_model.round_time(lengths).mean())}
+        policy.new_guard()  # validates the settings
     fixed = AdaptiveWindowPolicy(max_window, 0.0, confidence_temperature)
     policy.calibration = {
         "regime": regime,
@@ -151,5 +164,6 @@ def calibrate_policy(
         "fixed_window_speedup": {name: float(policy_speedup(fixed, conf, prefix, cost_model))
                                  for name, (conf, prefix) in rollouts.items()},
     }
-    report = {"policy": policy, "grid": {name: grids[name] for name in regimes}, "mean_speedup": mean}
+    report = {"policy": policy, "grid": {name: grids[name] for name in regimes}, "mean_speedup": mean,
+              "window_lengths": lengths.tolist()}
     return policy, report

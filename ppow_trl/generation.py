@@ -73,6 +73,7 @@ class SpeculativeOutput:
     tokens_per_round: list[int]
     max_window: int
     finished_by_eos: bool = False
+    guard_decisions: list[bool] | None = None  # per round, whether the guard let it draft (None: no guard)
 
     @property
     def window_lengths(self) -> list[int]:
@@ -245,10 +246,15 @@ def speculative_generate(
         target_cache = out.cache
         session.add_features(features)
         prefill_forwards = target_forwards = 1
+    guard = policy.new_guard()
+    previous_accepted = None  # A of the last drafting round, handed to the guard when the next one starts
 
     while not finished_by_eos and len(new_tokens) < max_new_tokens:
         committed = len(sequence)
-        cap = min(policy.max_window, max_new_tokens - len(new_tokens) - 1)
+        drafting = guard is None or guard.decide()
+        cap = min(policy.max_window if drafting else 0, max_new_tokens - len(new_tokens) - 1)
+        if guard is not None and cap > 0 and previous_accepted is not None:
+            guard.record(previous_accepted)
         window: list[int] = []
         drafter_probs: list[torch.Tensor] = []
         # every committed token the drafter has not read yet (None: nothing to draft from yet)
@@ -304,6 +310,8 @@ def speculative_generate(
         drafted.append(length)
         accepted_counts.append(accepted)
         emitted.append(len(round_tokens))
+        if length:
+            previous_accepted = accepted
 
     device = input_ids.device if isinstance(input_ids, torch.Tensor) else torch.device("cpu")
     return SpeculativeOutput(
@@ -317,6 +325,7 @@ def speculative_generate(
         tokens_per_round=emitted,
         max_window=policy.max_window,
         finished_by_eos=finished_by_eos,
+        guard_decisions=None if guard is None else list(guard.decisions),
     )
 
 
@@ -394,7 +403,8 @@ def exact_greedy_tau(
     truth = torch.tensor(text, dtype=torch.long)
     proposals = torch.zeros(len(text), policy.max_window, dtype=torch.long)
     confidences = torch.zeros(len(text), policy.max_window)
-    for slot, logits in session.teacher_forced_logits(prompt, text, policy.max_window, features):
+    for slot, logits in (session.teacher_forced_logits(prompt, text, policy.max_window, features)
+                         if policy.max_window else ()):  # K = 0: no speculation, nothing to draft
         logits = logits[:, :vocab]
         proposals[:, slot] = logits.argmax(-1).cpu()
         confidences[:, slot] = policy.confidence(logits).float().cpu()
@@ -406,12 +416,16 @@ def exact_greedy_tau(
 
     done = 0
     accepted_counts, emitted = [], []
+    guard, previous_accepted = policy.new_guard(), None  # the loop's guard, replayed (it reads A only)
     while done < total:
-        cap = min(policy.max_window, max_new_tokens - done - 1)
+        drafting = guard is None or guard.decide()
+        cap = min(policy.max_window if drafting else 0, max_new_tokens - done - 1)
         if cap > 0:
+            if guard is not None and previous_accepted is not None:
+                guard.record(previous_accepted)
             leading = int(matches[done, :cap].long().cumprod(0).sum())
             length = int(policy.window_lengths(confidences[done].unsqueeze(0))[0])
-            accepted = min(leading, length, cap)
+            accepted = previous_accepted = min(leading, length, cap)
         else:
             accepted = 0
         tokens = min(accepted + 1, total - done)

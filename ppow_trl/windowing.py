@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .cost import CostModel, overall_speedup
-from .custom_generate.generate import keep_drafting, window_confidence
+from .custom_generate.generate import SpeculationGuard, keep_drafting, window_confidence
 from .rewards import divergence
 from .utils import load_json, save_json
 
@@ -94,22 +94,35 @@ class AdaptiveWindowPolicy:
         calibration (`dict`, *optional*): how ``(K, h)`` were chosen, written by
             ``ppow_trl.calibration.calibrate_policy``: the regime they are for (``"greedy"`` or ``"sampling"``
             and its temperature), the number of held-out contexts, the predicted speedup. ``None``: set by hand.
+        guard (`dict`, *optional*): the online guard of every generation, ``{"break_even_tokens": b, "window": W,
+            "probe_every": N}`` (``SpeculationGuard``): drafting pauses for ``N`` rounds when the last ``W``
+            drafting rounds yielded fewer than ``b`` tokens each on average. ``None``: no guard.
+
+    ``max_window = 0`` means no speculation: every route decodes plainly (the calibration chooses it when the
+    measured cost model predicts less than 1x for every ``(K, h)``).
     """
 
     max_window: int = 8
     threshold: float = 0.0
     confidence_temperature: float = 1.0
     calibration: dict | None = None
+    guard: dict | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_window, int) or self.max_window < 1:
-            raise ValueError(f"max_window (K) must be an integer >= 1, got {self.max_window!r}.")
+        if not isinstance(self.max_window, int) or self.max_window < 0:
+            raise ValueError(f"max_window (K) must be an integer >= 0 (0: no speculation), got {self.max_window!r}.")
         if not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(
                 f"threshold (h) must lie in [0, 1], got {self.threshold!r}: it is compared with a product of probabilities."
             )
         if not float(self.confidence_temperature) > 0:
             raise ValueError(f"confidence_temperature (T_c) must be > 0, got {self.confidence_temperature!r}.")
+        if self.guard is not None:
+            self.new_guard()  # validates the settings now, not at the first generation
+
+    def new_guard(self) -> SpeculationGuard | None:
+        """A fresh ``SpeculationGuard`` for one generation (``None`` without a guard or without speculation)."""
+        return SpeculationGuard(**self.guard) if self.guard and self.max_window > 0 else None
 
     def confidence(self, logits: torch.Tensor) -> torch.Tensor:
         """``conf = max_v softmax(z / T_c)``: the drafter's confidence from its logits ``z`` (last dim = vocab)."""
@@ -125,12 +138,14 @@ class AdaptiveWindowPolicy:
         Same rule as ``keep_drafting``, applied to a whole rollout at once: ``L = 1 + #{i < K: prod_{j<=i} conf_j >= h}``
         (the running product only decreases, so the counted positions form a prefix).
         """
+        if self.max_window == 0:
+            return torch.zeros(confidences.shape[0], dtype=torch.long, device=confidences.device)
         running = confidences[:, : self.max_window - 1].float().cumprod(dim=-1)
         return 1 + self.keep_drafting(running, 0).sum(dim=-1)
 
     def with_window(self, max_window: int, threshold: float) -> "AdaptiveWindowPolicy":
-        """The same confidence definition with another ``(K, h)`` (``calibration`` dropped)."""
-        return AdaptiveWindowPolicy(int(max_window), float(threshold), self.confidence_temperature)
+        """The same confidence definition and guard with another ``(K, h)`` (``calibration`` dropped)."""
+        return AdaptiveWindowPolicy(int(max_window), float(threshold), self.confidence_temperature, guard=self.guard)
 
     def save_pretrained(self, folder: str | Path) -> Path:
         """Save as ``folder/ppow_window_policy.json``, so generation uses the rule training used."""
@@ -175,15 +190,18 @@ def calibrate_window_policy(
     thresholds=tuple(i / 20 for i in range(20)),
     max_windows=None,
     confidence_temperature: float = 1.0,
+    allow_no_speculation: bool = False,
 ) -> tuple[AdaptiveWindowPolicy, list[dict]]:
     """Choose ``(K, h)`` maximising the cost-model speedup on held-out rollouts; returns it and the grid.
 
     ``confidences`` (at ``confidence_temperature``) and ``prefix_acceptance`` are ``(N, K_max)`` from windows
     of ``K_max`` tokens drafted on held-out contexts (see ``policy_speedup``). This is the grid search on
     tensors; ``ppow_trl.calibration.calibrate_policy`` drafts and verifies those windows and calls it.
+    ``allow_no_speculation``: ``K = 0`` (plain decoding, speedup 1 by definition) is a candidate too, and wins
+    whenever no ``(K, h)`` is predicted above 1x (it comes first, so a tie keeps plain decoding).
     """
     max_windows = max_windows or range(1, confidences.shape[1] + 1)
-    grid = []
+    grid = [{"max_window": 0, "threshold": 0.0, "speedup": 1.0}] if allow_no_speculation else []
     for max_window in max_windows:
         for threshold in thresholds:
             policy = AdaptiveWindowPolicy(int(max_window), float(threshold), confidence_temperature)

@@ -48,11 +48,13 @@ writes no file and starts no process.
 import copy
 import json
 import os
+from collections import deque
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-__all__ = ["window_confidence", "keep_drafting", "PPOWWindowCriteria", "ppow_window_policy", "generate"]
+__all__ = ["window_confidence", "keep_drafting", "PPOWWindowCriteria", "SpeculationGuard", "WindowBudget",
+           "ppow_window_policy", "generate"]
 
 PPOW_WINDOW_POLICY_FILE = "ppow_window_policy.json"
 PPOW_GENERATION_CONFIG_KEY = "ppow_window_policy"
@@ -128,6 +130,131 @@ class PPOWWindowCriteria(StoppingCriteria):
         return ~keep.to(input_ids.device)
 
 
+class SpeculationGuard:
+    """The online guard of one generation: pause drafting while speculation does not pay, probe to resume.
+
+    Speculating pays while a drafting round yields more tokens than it costs: ``mean(A + 1) >= b`` over the last
+    ``window`` drafting rounds, with ``b = break_even_tokens`` the mean round time ``E[L t_d + t_v(L)] / t_t`` of
+    the calibrated rule (measured cost model, held-out contexts; saved with the policy). Below it, ``probe_every``
+    rounds decode plainly (``K = 0``: one target forward, one token); then a probe drafts again and its round
+    decides: ``A + 1 >= b`` resumes, else another pause. Only accepted lengths are read, never window lengths, so
+    exact greedy tau (which knows ``A`` but not the length of rejected windows) replays the guard exactly.
+
+    One protocol on every route, fixed by what Hugging Face's assisted loop can know: a route calls ``decide()``
+    once at the start of every round (plain ones included), and, when a drafting round starts, ``record(A)`` with
+    the accepted length of the previous drafting round (HF's hook learns it only then, from the committed ids).
+    An outcome thus weighs from the second decision after its round on; the round that was being drafted when a
+    pause began is not counted, and a probe is followed by a second drafting round (the one that reveals it).
+    """
+
+    def __init__(self, break_even_tokens: float, window: int = 8, probe_every: int = 32):
+        if not break_even_tokens > 0 or int(window) < 1 or int(probe_every) < 1:
+            raise ValueError(f"Invalid speculation guard: break_even_tokens={break_even_tokens} (need > 0), "
+                             f"window={window} (need >= 1), probe_every={probe_every} (need >= 1).")
+        self.break_even_tokens = float(break_even_tokens)
+        self.window, self.probe_every = int(window), int(probe_every)
+        self.reset()
+
+    @classmethod
+    def from_policy(cls, policy: dict | None):
+        """The guard a policy dict carries (``policy["guard"]``), or ``None``."""
+        settings = (policy or {}).get("guard")
+        return None if not settings else cls(**settings)
+
+    def reset(self) -> None:
+        """A new generation: speculating, no history."""
+        self.history = deque(maxlen=self.window)
+        self.paused_left = 0
+        self.probing = False
+        self.ignore_next = False
+        self.decisions = []  # per round, True = drafted (for inspection and tests)
+        self.last_window = None  # HF's routes: (committed length, drafted ids) of the last drafting call
+
+    def decide(self) -> bool:
+        """Whether this round drafts (call once at the start of every round)."""
+        if self.paused_left > 0:
+            self.paused_left -= 1
+            draft = False
+        else:
+            draft = True
+        self.decisions.append(draft)
+        return draft
+
+    def record(self, accepted: int) -> None:
+        """The accepted length ``A`` of the previous drafting round, given when the next drafting round starts."""
+        if self.ignore_next:  # drafted while the pause was being decided: not counted
+            self.ignore_next = False
+            return
+        tokens = int(accepted) + 1
+        if self.probing:
+            self.probing = False
+            if tokens >= self.break_even_tokens:
+                self.history.clear()
+                self.history.append(tokens)
+            else:
+                self._pause()
+            return
+        self.history.append(tokens)
+        if len(self.history) == self.window and sum(self.history) < self.break_even_tokens * self.window:
+            self._pause()
+
+    def drafting_call(self, committed) -> int | None:
+        """HF's routes: a drafting round starts after the ``committed`` ids (a list); record the previous window's
+        ``A``, its leading matches with what was committed (exact: a rejected token is never the one committed in
+        its place, greedy or sampled, as the residual ``max(p - q, 0)`` is 0 there). Returns how many leading ids
+        the drafter's state can keep (the previous start plus ``A``; ``None`` on the first call)."""
+        if self.last_window is None:
+            return None
+        start, drafted = self.last_window
+        accepted = 0
+        for token, kept in zip(drafted, committed[start : start + len(drafted)]):
+            if token != kept:
+                break
+            accepted += 1
+        self.record(accepted)
+        self.last_window = None
+        return start + accepted
+
+    def drafted(self, start: int, tokens) -> None:
+        """HF's routes: the window just proposed after ``start`` committed ids (read back at the next call)."""
+        self.last_window = (int(start), [int(t) for t in tokens])
+
+    def _pause(self) -> None:
+        self.history.clear()
+        self.paused_left = self.probe_every
+        self.probing = True  # the first drafting round after the pause is a probe
+        self.ignore_next = True  # the round being drafted now began before the pause
+
+
+class WindowBudget(int):
+    """``num_assistant_tokens`` of a guarded drafter: ``K`` when written, ``K`` or 0 when HF's loop reads it.
+
+    transformers' assisted loop reads ``int(num_assistant_tokens)`` once per round and asks the drafter for no
+    candidate when it is 0, so a 0 from ``SpeculationGuard.decide()`` is a plain decoding round: one target
+    forward, no drafter forward. It serialises as ``K``; copies (HF deep-copies the drafter's generation config
+    per ``generate`` call, when it builds its candidate generator) share the guard, and that copy starts a new
+    generation (``SpeculationGuard.reset``).
+    """
+
+    def __new__(cls, max_window: int, guard: SpeculationGuard):
+        budget = super().__new__(cls, int(max_window))
+        budget.guard = guard
+        return budget
+
+    def __int__(self):
+        return int.__int__(self) if self.guard.decide() else 0
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        self.guard.reset()  # AssistedCandidateGenerator.__init__: a new generate call
+        return self
+
+    def __reduce__(self):
+        return int, (int.__int__(self),)
+
+
 def ppow_window_policy(model):
     """``{"max_window": K, "threshold": h, "confidence_temperature": T_c}`` of ``model``.
 
@@ -150,6 +277,7 @@ def ppow_window_policy(model):
         "threshold": float(policy["threshold"]),
         "confidence_temperature": float(policy.get("confidence_temperature", 1.0)),
         "vocab_size": None if policy.get("vocab_size") is None else int(policy["vocab_size"]),
+        "guard": policy.get("guard"),
     }
 
 
@@ -228,5 +356,45 @@ def generate(*args, model, **kwargs):
             )
         )
         kwargs["stopping_criteria"] = criteria
+        guard = guard_of(model)
+        if guard is not None:
+            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            _catch_up(model, input_ids, kwargs.get("cache"), guard.drafting_call(input_ids[0].tolist()))
+            # The drafter's own generate deep-copies its config: a plain K there, so that only HF's candidate
+            # generator (built once per target.generate call) resets the guard.
+            budget = model.generation_config.num_assistant_tokens
+            model.generation_config.num_assistant_tokens = int.__int__(budget)
+            try:
+                output = type(model).generate(model, *args, **kwargs)
+            finally:
+                model.generation_config.num_assistant_tokens = budget
+            guard.drafted(input_ids.shape[1], output.sequences[0, input_ids.shape[1] :].tolist())
+            return output
     # The class's generate (GenerationMixin's or the model's override), not this instance's replacement.
     return type(model).generate(model, *args, **kwargs)
+
+
+@torch.no_grad()
+def _catch_up(model, input_ids, cache, valid: int | None) -> None:
+    """After paused rounds, give the drafter's cache the state HF's loop expects: the committed ids up to
+    ``len(input_ids) - 2``.
+
+    HF's loop (transformers 5.24) crops the drafter's cache to ``len - 2`` before each drafting call only when it
+    is longer, and feeds the last two ids. After paused rounds the cache still ends with the last window's
+    rejected drafts and misses what was decoded plainly, so the call would draft from a wrong state (lossless, but
+    worse drafts). Cropping to the ``valid`` prefix and one forward over the missed ids restore it.
+    """
+    if cache is None or valid is None:
+        return
+    if cache.get_seq_length() > valid:
+        cache.crop(valid - cache.get_seq_length())  # a negative count: drop that many
+    length, target = cache.get_seq_length(), input_ids.shape[1] - 2
+    if length < target:
+        model(input_ids=input_ids[:, length:target].to(model.device), cache=cache, use_cache=True,
+              logits_to_keep=1)
+
+
+def guard_of(model):
+    """The ``SpeculationGuard`` behind ``model.generation_config.num_assistant_tokens``, if it is guarded."""
+    budget = getattr(getattr(model, "generation_config", None), "num_assistant_tokens", None)
+    return budget.guard if isinstance(budget, WindowBudget) else None

@@ -34,7 +34,7 @@ import functools
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..custom_generate.generate import PPOWWindowCriteria, _applied_temperature, ppow_window_policy
+from ..custom_generate.generate import PPOWWindowCriteria, _applied_temperature, guard_of, ppow_window_policy
 from .features import target_features
 
 
@@ -167,6 +167,9 @@ def chain_generate(*args, model, input_ids=None, generation_config=None, logits_
     eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     ids, scores = input_ids.to(model.device), []
     limit = max_new_tokens if max_new_tokens is not None else policy["max_window"]
+    guard = guard_of(model)
+    if guard is not None:
+        guard.drafting_call(sequence)
     while logits is not None and len(scores) < limit:
         processed = logits_processor(ids, logits.float()) if logits_processor else logits.float()
         token = (torch.multinomial(torch.softmax(processed, -1), 1) if do_sample else processed.argmax(-1, keepdim=True))
@@ -178,4 +181,6 @@ def chain_generate(*args, model, input_ids=None, generation_config=None, logits_
     session.rollback(committed)  # the drafted pairs carried the drafter's own states: HF verifies, we re-read
     if not scores:  # HF's loop needs at least one candidate
         raise RuntimeError("An EAGLE-3 drafter needs a prompt of at least 2 tokens (one pair to draft from).")
+    if guard is not None:
+        guard.drafted(committed, ids[0, committed:].tolist())
     return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), cache=None)

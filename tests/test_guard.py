@@ -1,0 +1,191 @@
+"""Never slower: K = 0 (no speculation) and the online guard, the same rule on every route.
+
+The guard (``SpeculationGuard``) pauses drafting when the last ``W`` drafting rounds yielded fewer than ``b`` tokens
+each on average and probes again after ``N`` plain rounds. Tests: the state machine against a direct statement of
+the rule, the fast loop lossless with exact greedy tau replaying it exactly, HF's own loop (``target.generate(
+assistant_model=...)``) making the same decisions round by round, and K = 0 decoding plainly on every route.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from ppow_trl import exact_greedy_tau, speculative_generate
+from ppow_trl.assisted import load_assistant, save_assistant
+from ppow_trl.calibration import calibrate_policy
+from ppow_trl.cost import CostModel
+from ppow_trl.custom_generate.generate import SpeculationGuard, WindowBudget, guard_of
+from ppow_trl.windowing import AdaptiveWindowPolicy, calibrate_window_policy
+
+GUARD = {"break_even_tokens": 1.5, "window": 3, "probe_every": 4}
+
+
+def make_models(seed=0):
+    target = make_tiny_llama(num_layers=2, seed=seed, initializer_range=0.5)
+    random_drafter = make_tiny_llama(num_layers=1, seed=seed + 1, initializer_range=0.5)
+    close_drafter = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for parameter in close_drafter.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=g) * 0.01)
+    for model in (target, random_drafter, close_drafter):
+        model.generation_config.eos_token_id = None  # long generations: the guard has rounds to act on
+    return target, random_drafter, close_drafter
+
+
+@pytest.fixture(scope="module")
+def models():
+    return make_models()
+
+
+def prompts(n=6, seed=0, vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(8, vocab, (1, int(torch.randint(2, 8, (1,), generator=g))), generator=g) for _ in range(n)]
+
+
+def reference_decisions(accepted_of_round, num_rounds, b, window, probe_every):
+    """The rule written out directly: which rounds draft, given the accepted length each drafting round would get.
+
+    Outcomes count from the second decision after their round (the protocol HF's loop imposes): when a drafting
+    round starts, the previous drafting round's outcome is added. Speculating: a pause of ``probe_every`` rounds
+    starts when the last ``window`` counted rounds averaged under ``b`` tokens; the round being drafted then is
+    not counted; the next drafting round is a probe, whose outcome alone decides (``>= b`` resumes).
+    """
+    decisions, history, pending, paused, probing, skip = [], [], None, 0, False, False
+    for r in range(num_rounds):
+        draft = paused == 0
+        paused = max(paused - 1, 0) if not draft else 0
+        decisions.append(draft)
+        if not draft:
+            continue
+        if pending is not None:
+            if skip:
+                skip = False
+            elif probing:
+                probing = False
+                if pending + 1 >= b:
+                    history = [pending + 1]
+                else:
+                    history, paused, probing, skip = [], probe_every, True, True
+            else:
+                history = (history + [pending + 1])[-window:]
+                if len(history) == window and sum(history) < b * window:
+                    history, paused, probing, skip = [], probe_every, True, True
+        pending = accepted_of_round(r)
+    return decisions
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_guard_state_machine_equals_the_rule_written_out(seed):
+    g = torch.Generator().manual_seed(seed)
+    accepted = torch.randint(0, 3, (200,), generator=g).tolist()  # A per round, mixing good and bad stretches
+    accepted[60:120] = [0] * 60
+    guard = SpeculationGuard(**GUARD)
+    last = None
+    for r in range(200):
+        if guard.decide():
+            if last is not None:
+                guard.record(last)
+            last = accepted[r]
+    expected = reference_decisions(lambda r: accepted[r], 200, **{
+        "b": GUARD["break_even_tokens"], "window": GUARD["window"], "probe_every": GUARD["probe_every"]})
+    assert guard.decisions == expected
+    assert not all(expected) and any(expected[120:])  # it paused on the bad stretch and came back
+
+
+def test_guard_rejects_bad_settings():
+    with pytest.raises(ValueError, match="break_even_tokens"):
+        SpeculationGuard(0.0)
+    with pytest.raises(ValueError, match="window"):
+        AdaptiveWindowPolicy(4, 0.3, guard={"break_even_tokens": 1.2, "window": 0})
+
+
+@pytest.mark.parametrize("drafter_index", [1, 2])
+def test_fast_loop_with_guard_is_lossless_and_exact_tau_replays_it(models, drafter_index):
+    target, drafter = models[0], models[drafter_index]
+    policy = AdaptiveWindowPolicy(3, 0.0, guard=GUARD)
+    plain_rounds = 0
+    for ids in prompts():
+        reference = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                                    pad_token_id=0)[0, ids.shape[1]:].tolist()
+        out = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=40, eos_token_id=[])
+        assert out.new_tokens == reference
+        exact = exact_greedy_tau(target, drafter, ids, policy=policy, max_new_tokens=40, eos_token_id=[])
+        assert exact.accepted_per_round == out.accepted_per_round
+        assert exact.tau == pytest.approx(out.tau)
+        # plain rounds draft nothing and cost no drafter forward
+        assert [length > 0 for length in out.drafted_per_round[:-1]] == out.guard_decisions[:-1]
+        plain_rounds += out.guard_decisions.count(False)
+    # the random drafter (first tokens rarely accepted) spends most rounds paused, the close one few
+    assert (plain_rounds > 100) if drafter_index == 1 else (plain_rounds < 40)
+
+
+def test_hf_assisted_route_makes_the_same_guard_decisions(tmp_path, models):
+    target, drafter = models[0], models[1]
+    policy = AdaptiveWindowPolicy(3, 0.0, guard=GUARD)
+    assistant = load_assistant(save_assistant(copy.deepcopy(drafter), tmp_path / "d", policy=policy))
+    assistant.generation_config.eos_token_id = None
+    guard = guard_of(assistant)
+    assert isinstance(assistant.generation_config.num_assistant_tokens, WindowBudget)
+    # written as K: the saved generation config is an ordinary one
+    saved = json.loads((tmp_path / "d" / "generation_config.json").read_text())
+    assert saved["num_assistant_tokens"] == 3
+    for ids in prompts():
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant, do_sample=False,
+                              max_new_tokens=40, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        fast = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=40, eos_token_id=[])
+        assert out == fast.new_tokens
+        assert guard.decisions == fast.guard_decisions  # reset per generate call, same rounds, same decisions
+
+
+def test_no_speculation_decodes_plainly_on_every_route(tmp_path, models):
+    target, drafter = models[0], models[2]
+    policy = AdaptiveWindowPolicy(0, 0.0)
+    assistant = load_assistant(save_assistant(copy.deepcopy(drafter), tmp_path / "k0", policy=policy))
+    calls = []
+    hook = assistant.generate
+    assistant.generate = lambda *a, **k: calls.append(1) or hook(*a, **k)
+    for ids in prompts(3):
+        reference = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
+                                    pad_token_id=0)[0, ids.shape[1]:].tolist()
+        out = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=20, eos_token_id=[])
+        assert out.new_tokens == reference and out.drafter_forwards == 0 and out.tau == 1.0
+        assert exact_greedy_tau(target, drafter, ids, policy=policy, max_new_tokens=20, eos_token_id=[]).tau == 1.0
+        hf = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant, do_sample=False,
+                             max_new_tokens=20, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert hf == reference
+    assert calls == []  # HF's loop never asked the drafter for a candidate
+
+
+def test_grid_search_chooses_no_speculation_when_nothing_pays():
+    confidences = torch.full((50, 3), 0.9)
+    prefix = torch.zeros(50, 3)
+    prefix[:10, 0] = 1.0  # the first token is accepted 20% of the time
+    cheap = CostModel(drafter_cost=0.02, verify_cost=[1.0, 1.02, 1.1, 1.2])
+    costly = CostModel(drafter_cost=0.1, verify_cost=[1.0, 1.6, 1.8, 2.0])
+    policy, _ = calibrate_window_policy(confidences, prefix, cheap, allow_no_speculation=True)
+    assert policy.max_window == 1  # 1.2 tokens for 1.04 steps
+    policy, grid = calibrate_window_policy(confidences, prefix, costly, allow_no_speculation=True)
+    assert policy.max_window == 0 and max(row["speedup"] for row in grid if row["max_window"]) < 1.0
+    policy, _ = calibrate_window_policy(confidences, prefix, costly)
+    assert policy.max_window >= 1  # without the option the best speculative rule is kept
+
+
+def test_calibration_sets_the_guard_from_the_cost_of_the_chosen_rule(models):
+    target, _, drafter = models
+    contexts = [ids[0] for ids in prompts(8)]
+    cost = CostModel(drafter_cost=0.05, verify_cost=[1.0, 1.05, 1.1, 1.6])
+    policy, report = calibrate_policy(target, drafter, contexts, cost, max_window=3, allow_no_speculation=True,
+                                      guard={"window": 8, "probe_every": 32})
+    if policy.max_window == 0:
+        assert policy.guard is None
+    else:
+        lengths = torch.tensor(report["window_lengths"])
+        expected = float(cost.round_time(lengths).mean())
+        assert policy.guard["break_even_tokens"] == pytest.approx(expected)
+        assert policy.guard["window"] == 8 and policy.guard["probe_every"] == 32
