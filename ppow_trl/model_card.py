@@ -124,6 +124,8 @@ def render_model_card(
         if cost_model
         else "not measured"
     )
+    serving = (policy.calibration or {}).get("serving_rule")
+    serving = f"\n- Served rule, chosen on the saved drafter with this machine's measured costs: {serving}" if serving else ""
     notes = {"revision_note": REVISION_NOTE.format(repo=repo), "remote_code_note": REMOTE_CODE_NOTE}
     usage = (ADAPTER_USAGE if adapter else STANDALONE_USAGE).format(repo=repo, **notes)
     results = (
@@ -147,8 +149,8 @@ as verifier; arXiv 2605.14978) using ppow_trl on top of TRL's GRPOTrainer.
 - Drafter: {drafter}
 - Training data: {data}
 - Window rule (calibrated on held-out contexts after training): draft while the running product of drafter confidences stays >= h = {policy.threshold}, up to
-  K = {policy.max_window} tokens; confidence = max softmax(logits / T_c), T_c = {policy.confidence_temperature}
-  (saved in `ppow_window_policy.json`).
+  K = {policy.max_window} tokens (K = 0: no speculation); confidence = max softmax(logits / T_c), T_c = {policy.confidence_temperature}
+  (saved in `ppow_window_policy.json`).{serving}
 - Cost model: {cost}
 
 ## Use

@@ -25,6 +25,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from ppow_trl import KDConfig, KDTrainer, PPOWConfig, PPOWTrainer
 from ppow_trl.assisted import save_assistant
 from ppow_trl.bench import BenchDrafter, run_benchmark
+from ppow_trl.calibration import held_out_contexts
 from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts, main_process_first
 from ppow_trl.dflash import choose_mask_token_id, detect_dflash_format, dflash_from_target, export_dflash, import_dflash
 from ppow_trl.dflash.assisted import load_block_drafter
@@ -32,6 +33,7 @@ from ppow_trl.drafting import target_layer_ids
 from ppow_trl.eagle3 import Eagle3DrafterForCausalLM, compute_target_features, export_eagle3
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target, make_drafter
 from ppow_trl.model_card import PROTOCOL
+from ppow_trl.serving import calibrate_for_serving
 from ppow_trl.utils import cache_root, set_cpu_threads
 
 logger = logging.getLogger("ppow_llama")
@@ -220,13 +222,16 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    # A standalone drafter for serving, evaluation and engines that load plain draft models; the trainer's own PEFT
+    # model stays untouched so that push_to_hub saves the adapter.
+    standalone = copy.deepcopy(unwrapped).merge_and_unload() if hasattr(unwrapped, "merge_and_unload") else unwrapped
+    # The served rule is decided on the drafter as served (merged, eval mode), on this machine's measured costs:
+    # K = 0 when nothing pays, else (K, h) with the online guard. Every save below carries it.
+    serve_for_the_drafter_as_saved(trainer, standalone, calibration_data, training_args)
 
-    # Adapter (or drafter) + the calibrated window policy + cost model + custom_generate/ for assistant_model=.
+    # Adapter (or drafter) + the served window policy + cost model + custom_generate/ for assistant_model=.
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
-        # A standalone drafter for evaluation (and for engines that load plain draft models); the trainer's
-        # own PEFT model stays untouched so that push_to_hub saves the adapter.
-        standalone = copy.deepcopy(unwrapped).merge_and_unload() if hasattr(unwrapped, "merge_and_unload") else unwrapped
         if script_args.merge_adapter and standalone is not unwrapped:
             save_assistant(standalone, Path(training_args.output_dir) / "merged", policy=trainer.window_policy,
                            cost_model=trainer.cost_model, tokenizer=tokenizer)
@@ -255,6 +260,29 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     if training_args.push_to_hub:
         trainer.push_to_hub()
     return trainer
+
+
+def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_args) -> None:
+    """Measure the cost model on ``drafter`` (merged, eval) and calibrate the served rule on the held-out responses
+    (``ppow_trl.serving.calibrate_for_serving``, main process, broadcast); the trainer then saves that rule."""
+    from accelerate.utils import broadcast_object_list
+
+    result = [None, None]
+    if trainer.accelerator.is_main_process:
+        contexts = held_out_contexts(calibration_data["prompt_ids"], calibration_data["response_ids"],
+                                     training_args.calibration_contexts_per_response,
+                                     training_args.calibration_max_contexts)
+        with torch.no_grad():
+            policy, cost_model, _ = calibrate_for_serving(
+                trainer.target, drafter, contexts, max_window=training_args.max_window,
+                regime=training_args.calibration_regime, temperature=training_args.temperature,
+                confidence_temperature=training_args.confidence_temperature, vocab_size=trainer.vocab_size,
+                pad_id=trainer.processing_class.pad_token_id, seed=training_args.seed)
+        result = [policy, cost_model]
+        logger.info("Served rule: %s", policy.calibration["serving_rule"])
+    if trainer.accelerator.num_processes > 1:
+        broadcast_object_list(result, from_process=0)
+    trainer.window_policy, trainer.cost_model = result
 
 
 def make_eagle3_drafter(target, script_args, draft_vocab):
@@ -304,14 +332,13 @@ def evaluate_drafter(target, tokenizer, drafter, trainer, script_args, training_
     seed = training_args.seed
     prompts = load_prompts(script_args.eval_prompts, num_samples=script_args.num_eval_prompts, seed=seed)
     report = run_benchmark(target, tokenizer, [BenchDrafter("ppow", drafter, trainer.window_policy, trainer.cost_model)],
-                           prompts, methods=("target", "fast_fixed", "fast_adaptive"), modes=("greedy",),
+                           prompts, methods=("target", "fast_adaptive", "hook"), modes=("greedy",),
                            max_new_tokens=training_args.eval_max_new_tokens, seed=seed)
     print(f"\nPPOW drafter on {len(prompts)} held-out {script_args.eval_prompts} prompts, greedy. {PROTOCOL}")
     for row in report["summary"]:
         print(f"  {row['label']:24s} tau {row['tau']:.2f}  speedup {row['speedup_median']:.2f}x "
               f"[{row['speedup_p25']:.2f}, {row['speedup_p75']:.2f}]  lossless {row['lossless_prompts']}")
-    print(f"  drafter cost ratio t_d/t_t = {trainer.cost_model.drafter_cost:.3f}; window K = "
-          f"{trainer.window_policy.max_window}, h = {trainer.window_policy.threshold:.2f}\n")
+    print(f"  served rule: {trainer.window_policy.calibration['serving_rule']}\n")
     return report["summary"]
 
 

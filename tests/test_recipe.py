@@ -63,6 +63,13 @@ def test_pipeline_runs_on_tiny_models(tmp_path):
     assert "fast_adaptive" in card and "tau" in card and "trust_remote_code=True" in card
     assert "LoRA adapter" in card and "merge_and_unload" in card  # an adapter folder says how to use it
     assert trainer.state.global_step == 2
+    # the served rule was decided on the merged drafter with costs measured here, not the training costs given
+    for folder in (out, out / "merged"):
+        saved_cost = json.loads((folder / "ppow_cost_model.json").read_text())
+        assert "served drafter" in saved_cost["description"] and saved_cost["drafter_cost"] != 0.3
+        saved_policy = json.loads((folder / "ppow_window_policy.json").read_text())
+        assert saved_policy["calibration"]["serving_rule"] in card
+        assert (saved_policy["max_window"] == 0) == (saved_policy["calibration"]["best_speculative_speedup"] <= 1.0)
     # the merged standalone drafter loads as an assistant and stays lossless
     from ppow_trl.assisted import load_assistant
 

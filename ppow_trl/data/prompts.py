@@ -30,7 +30,7 @@ MESSAGES_FEATURE = [{"role": Value("string"), "content": Value("string")}]
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_TEST_SIZE = 500
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-PROMPT_SOURCES = ("mtbench", "sharegpt", "sharegpt-test")
+PROMPT_SOURCES = ("mtbench", "sharegpt", "sharegpt-test", "code")
 
 def user_messages(prompt: str) -> list[dict[str, str]]:
     """A one-turn chat holding `prompt` as the user message."""
@@ -188,6 +188,35 @@ def load_mtbench(num_samples: int | None = None) -> Dataset:
     return _subsample(_prompt_dataset(rows, {"category": Value("string")}), num_samples, seed=None)
 
 
+CODE_PROMPT_MODULES = ("more_itertools.more", "more_itertools.recipes")
+CODE_PROMPT_TEMPLATE = "Complete this Python function. Reply with the code only.\n\n```python\n{stub}\n```"
+
+
+def load_code_prompts(num_samples: int | None = None) -> Dataset:
+    """Code-completion prompts that no split here trains or tunes on: the documented public functions of
+    ``more-itertools`` (a registry package, ``make setup`` installs it), each as its signature and docstring,
+    ``CODE_PROMPT_TEMPLATE`` ("Complete this Python function...") around them, in source order. The first
+    ``num_samples`` are kept (deterministic, like MT-bench). Fields: ``id`` (``module.function``), ``messages``.
+    """
+    import ast
+    import importlib.util
+
+    rows = []
+    for name in CODE_PROMPT_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError(f"The code prompts come from the more-itertools package ({name}): "
+                                    "pip install more-itertools (make setup installs it).")
+        source = Path(spec.origin).read_text(encoding="utf-8")
+        for node in ast.parse(source).body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or ast.get_docstring(node) is None:
+                continue
+            body = node.body[0]  # the docstring statement: keep the signature and docstring, drop the code
+            stub = "\n".join(source.splitlines()[node.lineno - 1 : body.end_lineno])
+            rows.append({"id": f"{name}.{node.name}", "messages": user_messages(CODE_PROMPT_TEMPLATE.format(stub=stub))})
+    return _subsample(_prompt_dataset(rows), num_samples, seed=None)
+
+
 def _jsonl_messages(record: Any, where: str) -> list[dict[str, str]]:
     """The chat of one JSONL record (`prompt` string or `messages` list), ending with a user turn."""
     if isinstance(record, dict) and isinstance(record.get("prompt"), str):
@@ -240,14 +269,17 @@ def load_prompts_jsonl(path: str | Path) -> Dataset:
 
 
 def load_prompts(source: str | Path, num_samples: int | None = None, seed: int = 0) -> Dataset:
-    """Prompts by name: `"mtbench"`, `"sharegpt"` (train split), `"sharegpt-test"` or a path to a `.jsonl`.
+    """Prompts by name: `"mtbench"`, `"sharegpt"` (train split), `"sharegpt-test"`, `"code"` (code completion,
+    `load_code_prompts`) or a path to a `.jsonl`.
 
-    `num_samples` keeps the first MT-bench questions, or a seeded random subset of the other sources.
+    `num_samples` keeps the first MT-bench or code prompts, or a seeded random subset of the other sources.
     """
     if source == "mtbench":
         return load_mtbench(num_samples)
     if source in ("sharegpt", "sharegpt-test"):
         return load_sharegpt("test" if source == "sharegpt-test" else "train", num_samples, seed)
+    if source == "code":
+        return load_code_prompts(num_samples)
     if str(source).endswith(".jsonl") or Path(source).is_file():
         return _subsample(load_prompts_jsonl(source), num_samples, seed)
     raise ValueError(f"Unknown prompt source {source!r}: use one of {PROMPT_SOURCES} or a path to a .jsonl file.")

@@ -1,0 +1,93 @@
+"""The rule a drafter is served with, decided on the drafter as saved: merged, eval mode, serving dtype.
+
+``calibrate_for_serving`` is what the recipe runs after training and before saving (and what anyone should run on a
+drafter they are about to ship): it measures the cost model on *this* drafter on *this* machine (``t_d``,
+``t_v(L)``; the training wrapper's costs are not the served drafter's: a LoRA-wrapped drafter step cost 2x the
+merged one's in the issue that introduced this module), then calibrates ``(K, h)`` with ``K = 0`` allowed (plain
+decoding wins whenever no rule is predicted above 1x) and attaches the online guard (``SpeculationGuard``) whose
+break-even is the chosen rule's mean round time. ``describe_serving_rule`` says in one sentence what was chosen
+and why, with the machine's ``t_v(L)/t_t``; the model card and the benchmarks print it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .calibration import calibrate_policy
+from .cost import CostModel, calibrate_cost_model
+from .windowing import AdaptiveWindowPolicy
+
+DEFAULT_GUARD = {"window": 8, "probe_every": 32}
+"""The online guard's settings: pause after 8 drafting rounds under break-even on average, probe every 32 tokens."""
+
+
+def _check_servable(drafter) -> None:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is optional
+        return
+    if isinstance(drafter, PeftModel):
+        raise ValueError("calibrate_for_serving measures the drafter as it will be served: merge the adapter first "
+                         "(`drafter = peft_model.merge_and_unload()`).")
+
+
+def calibrate_for_serving(
+    target,
+    drafter,
+    contexts: list[torch.Tensor],
+    *,
+    max_window: int,
+    regime: str = "greedy",
+    temperature: float = 1.0,
+    confidence_temperature: float = 1.0,
+    guard: dict | None = DEFAULT_GUARD,
+    vocab_size: int | None = None,
+    pad_id: int = 0,
+    cost_repeats: int = 15,
+    seed: int = 0,
+) -> tuple[AdaptiveWindowPolicy, CostModel, dict]:
+    """The served ``(policy, cost_model, report)`` of a merged ``drafter`` (module docstring).
+
+    The cost model is timed on top of a KV cache of the median-length held-out context (what is served looks like
+    it; a random 128-token context underestimates ``t_v`` on long chats), in the drafter's and target's current
+    dtype and device, with the drafter in eval mode. ``guard=None`` serves without the online guard.
+    """
+    _check_servable(drafter)
+    if not contexts:
+        raise ValueError("calibrate_for_serving needs held-out contexts (prompt + part of a target response).")
+    drafter.eval()
+    lengths = [len(c) for c in contexts]
+    typical = contexts[lengths.index(sorted(lengths)[len(lengths) // 2])]
+    cost_model = calibrate_cost_model(target, drafter, max_window, context_ids=typical.view(1, -1),
+                                      repeats=cost_repeats, seed=seed)
+    cost_model.description += f"; served drafter (eval, merged); context = median held-out ({len(typical)} tokens)"
+    policy, report = calibrate_policy(target, drafter, contexts, cost_model, max_window=max_window, regime=regime,
+                                      temperature=temperature, confidence_temperature=confidence_temperature,
+                                      vocab_size=vocab_size, pad_id=pad_id, seed=seed, allow_no_speculation=True,
+                                      guard=guard)
+    rows = next(iter(report["grid"].values()))  # every regime's grid lists the same (K, h) in the same order
+    policy.calibration["best_speculative_speedup"] = max(
+        speed for row, speed in zip(rows, report["mean_speedup"]) if row["max_window"] > 0)
+    policy.calibration["serving_rule"] = describe_serving_rule(policy, cost_model)
+    return policy, cost_model, report
+
+
+def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | None) -> str:
+    """One sentence: the rule chosen, the predicted speedup, and the machine's costs that decided it."""
+    costs = "cost model not measured" if cost_model is None else (
+        f"t_d/t_t = {cost_model.drafter_cost:.3f}, t_v(L)/t_t for L = 1..{len(cost_model.verify_cost) - 1} = "
+        + " / ".join(f"{c:.2f}" for c in cost_model.verify_cost[1:]))
+    calibration = policy.calibration or {}
+    predicted = calibration.get("predicted_speedup")
+    if policy.max_window == 0:
+        best = calibration.get("best_speculative_speedup")
+        return ("No speculation (K = 0, plain decoding): no window rule was predicted above 1x on this machine"
+                + (f" (best {best:.3f}x)" if best is not None else "") + f"; {costs}.")
+    guard = policy.guard
+    guard_text = "no online guard" if not guard else (
+        f"online guard: drafting pauses for {guard['probe_every']} tokens when the last {guard['window']} rounds "
+        f"yield under {guard['break_even_tokens']:.2f} tokens each (the rule's mean round cost), then probes")
+    return (f"K = {policy.max_window}, h = {policy.threshold:.2f}"
+            + (f", predicted {predicted:.3f}x on {calibration.get('num_contexts')} held-out contexts"
+               if predicted is not None else "")
+            + f"; {guard_text}; {costs}.")
