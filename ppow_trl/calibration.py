@@ -165,5 +165,5 @@ def calibrate_policy(
                                  for name, (conf, prefix) in rollouts.items()},
     }
     report = {"policy": policy, "grid": {name: grids[name] for name in regimes}, "mean_speedup": mean,
-              "window_lengths": lengths.tolist()}
+              "window_lengths": lengths.tolist(), "confidences": rollouts[regimes[0]][0]}
     return policy, report

@@ -66,8 +66,16 @@ def calibrate_for_serving(
                                       vocab_size=vocab_size, pad_id=pad_id, seed=seed, allow_no_speculation=True,
                                       guard=guard)
     rows = next(iter(report["grid"].values()))  # every regime's grid lists the same (K, h) in the same order
-    policy.calibration["best_speculative_speedup"] = max(
-        speed for row, speed in zip(rows, report["mean_speedup"]) if row["max_window"] > 0)
+    speed, best = max((speed, row) for row, speed in zip(rows, report["mean_speedup"]) if row["max_window"] > 0)
+    policy.calibration["best_speculative_speedup"] = speed
+    # The best rule that does speculate, with its own guard: what serving would run if this machine's costs
+    # were lower (benchmarks/speedup.py measures it next to the served rule).
+    alternative = policy.with_window(best["max_window"], best["threshold"])
+    if guard is not None:
+        lengths = alternative.window_lengths(report["confidences"])
+        alternative.guard = {**guard, "break_even_tokens": float(cost_model.round_time(lengths).mean())}
+    policy.calibration["best_speculative_rule"] = {"max_window": alternative.max_window,
+                                                   "threshold": alternative.threshold, "guard": alternative.guard}
     policy.calibration["serving_rule"] = describe_serving_rule(policy, cost_model)
     return policy, cost_model, report
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from ppow_trl import KDConfig, KDTrainer, PPOWConfig, PPOWTrainer
 from ppow_trl.assisted import save_assistant
 from ppow_trl.bench import BenchDrafter, run_benchmark
 from ppow_trl.calibration import held_out_contexts
-from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts, main_process_first
+from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts
 from ppow_trl.dflash import choose_mask_token_id, detect_dflash_format, dflash_from_target, export_dflash, import_dflash
 from ppow_trl.dflash.assisted import load_block_drafter
 from ppow_trl.drafting import target_layer_ids
@@ -160,6 +161,11 @@ def _named(field_name: str, value, build):
 
 def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args: ModelConfig):
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and training_args.world_size == 1:
+        raise ValueError(f"{launched} processes were launched but each sees a world of 1: on a CPU-only machine pass "
+                         "--use_cpu True or set ACCELERATE_USE_CPU=true (python recipes/ppow_llama.py does).")
+    logger.info("Process %d of %d", training_args.process_index + 1, training_args.world_size)
     threads = set_cpu_threads() if not torch.cuda.is_available() else torch.get_num_threads()
     cache = Path(script_args.cache_dir) if script_args.cache_dir else cache_root()
 
@@ -171,10 +177,10 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     vocab = len(tokenizer)
 
     prompts = load_prompts(script_args.train_prompts, num_samples=script_args.num_train_prompts, seed=training_args.seed)
-    # Under `accelerate launch` the main process regenerates (and caches) the data; the others then load it.
-    with main_process_first():
-        data = build_target_responses(target, tokenizer, prompts, max_new_tokens=script_args.max_new_tokens,
-                                      batch_size=8, seed=training_args.seed, cache_dir=cache / "responses")
+    # Under `accelerate launch` every process regenerates its share of the chunks (cached, resumable), then all load
+    # every shard: the data costs 1/N of the time on N processes.
+    data = build_target_responses(target, tokenizer, prompts, max_new_tokens=script_args.max_new_tokens,
+                                  batch_size=8, seed=training_args.seed, cache_dir=cache / "responses")
     num_calibration = max(1, int(round(len(data) * script_args.calibration_fraction)))
     train_data = data.select(range(len(data) - num_calibration))
     calibration_data = data.select(range(len(data) - num_calibration, len(data)))
@@ -198,11 +204,11 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
             pretrained=script_args.drafter_model, draft_vocab_ids=draft_vocab, target_tokenizer=tokenizer))
 
     if script_args.kd_steps:
-        with main_process_first():
-            topk = compute_target_topk(target, train_data, top_k=32, batch_size=8, cache_dir=cache / "topk")
-            if script_args.drafter_type != "standalone":  # the drafter's inputs, computed once (float16, cached)
-                topk = compute_target_features(target, topk, target_layer_ids(drafter), batch_size=8,
-                                               cache_dir=cache / "features")
+        # shared by the processes like the responses
+        topk = compute_target_topk(target, train_data, top_k=32, batch_size=8, cache_dir=cache / "topk")
+        if script_args.drafter_type != "standalone":  # the drafter's inputs, computed once (float16, cached)
+            topk = compute_target_features(target, topk, target_layer_ids(drafter), batch_size=8,
+                                           cache_dir=cache / "features")
         kd_args = KDConfig(output_dir=str(Path(training_args.output_dir) / "kd"), max_steps=script_args.kd_steps,
                            per_device_train_batch_size=8, learning_rate=script_args.kd_learning_rate,
                            lr_scheduler_type="cosine", warmup_steps=max(1, script_args.kd_steps // 10),
@@ -347,6 +353,10 @@ def make_parser() -> TrlParser:
 
 
 if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        # On a CPU-only machine the processes of `accelerate launch` / torchrun form one gloo world only on the CPU
+        # backend (else each trains alone); it must be set before the arguments create accelerate's state.
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     parser = make_parser()
     if len(sys.argv) == 1:  # `accelerate launch recipes/ppow_llama.py` runs the offline default
         sys.argv += ["--config", str(DEFAULT_CONFIG)]

@@ -181,3 +181,34 @@ def test_two_processes_evaluate_held_out_tau_and_calibrate_alike(tmp_path):
     assert logged[0][0]["eval_tau"] == pytest.approx(evaluations[0]["local_tau"], rel=1e-6)
     assert [logged[0][0]["eval_window_max"], logged[0][0]["eval_window_threshold"]] == pytest.approx(
         evaluations[0]["policy"])
+
+
+def test_two_processes_share_the_data_build(tmp_path):
+    """Data building on 2 processes: chunk i is computed by rank i % 2, once, and both ranks end with the same
+    dataset, equal to the single-process build (each chunk has its own seed)."""
+    from datasets import Dataset, Features, Value
+
+    from ppow_trl.data.cache import build_sharded_dataset
+
+    script = os.path.join(REPO, "tests", "multiprocess_data.py")
+    # ACCELERATE_USE_CPU: without CUDA, PartialState otherwise gives every torchrun process a world of 1
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true",
+           "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_port",
+               str(free_port()), script, str(tmp_path), str(tmp_path / "cache")]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = [json.loads((tmp_path / f"data_rank{rank}.json").read_text()) for rank in range(WORLD)]
+    assert loaded[0] == loaded[1]
+    assert loaded[0]["rank"] == [(x // 8) % WORLD for x in range(50)]  # chunks of 8, chunk i on rank i % 2
+
+    def process(batch):
+        noise = torch.rand(len(batch))
+        return [{"x": row["x"], "y": row["x"] * 2 + float(noise[i]), "rank": 0} for i, row in enumerate(batch)]
+
+    features = Features({"x": Value("int64"), "y": Value("float64"), "rank": Value("int64")})
+    alone = build_sharded_dataset(Dataset.from_dict({"x": list(range(50))}), process, features=features, kind="mp",
+                                  settings={"v": 1}, cache_dir=tmp_path / "alone", batch_size=4, chunk_size=8, seed=0)
+    assert alone["y"] == loaded[0]["y"]

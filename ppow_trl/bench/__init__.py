@@ -24,7 +24,9 @@ Methods (K = the drafter policy's ``max_window``):
 DFlash block drafters (``ppow_trl.dflash``) run ``hf_assisted`` as stock ``speculation_type="dflash"`` (the fixed
 block of ``block_size - 1``) and ``hook`` as the same call with our adaptive window; one drafter forward per round.
   fast_fixed     ``ppow_trl.speculative_generate`` with a fixed window (threshold 0).
-  fast_adaptive  ``ppow_trl.speculative_generate`` with the drafter's policy.
+  fast_adaptive  ``ppow_trl.speculative_generate`` with the drafter's policy (its guard and K = 0 included).
+  fast_plain     ``ppow_trl.speculative_generate`` with K = 0 (no drafter): our loop's plain decoding against
+                 ``generate``; what a drafter served with K = 0 runs.
 The HF variants set the window options on a copy of the drafter's ``generation_config`` (HF reads them
 from the assistant's config); the drafter's own config is restored afterwards.
 

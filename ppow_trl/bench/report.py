@@ -56,6 +56,7 @@ def summarize_records(records) -> list[dict]:
         row["lossless"] = all(flags) if flags else None
         row["lossless_prompts"] = f"{sum(flags)}/{len(flags)}" if flags else None
         row["drafter_forwards"] = sum(r["drafter_forwards"] for r in group)
+        row.update(round_decomposition(group))
         if row["method"] in FAST_METHODS:
             k = group[0]["max_window"]
             accepted = [a for r in group for a in r["accepted_per_round"]]
@@ -67,6 +68,21 @@ def summarize_records(records) -> list[dict]:
         rows.append(row)
     modes = list(dict.fromkeys(r["mode"] for r in records))
     return sorted(rows, key=lambda row: (modes.index(row["mode"]), METHODS.index(row["method"]), row["drafter"] or ""))
+
+
+def round_decomposition(group) -> dict:
+    """Where a round's time goes, over a group's calls (sums, so long prompts weigh as they cost): milliseconds
+    per round in target forwards, drafter forwards and outside the models, the outside share, and the drafter's
+    seconds per forward (to hold against the cost model's bare ``t_d``)."""
+    if not all("target_seconds" in r for r in group):
+        return {}
+    rounds = sum(r["verification_forwards"] for r in group) or 1
+    parts = {name: sum(r[f"{name}_seconds"] for r in group) for name in ("target", "drafter", "outside")}
+    total = sum(r["seconds"] for r in group) or 1.0
+    forwards = sum(r["drafter_forwards"] for r in group)
+    return {"ms_per_round": {name: 1000 * value / rounds for name, value in parts.items()},
+            "outside_share": parts["outside"] / total,
+            "drafter_seconds_per_forward": parts["drafter"] / forwards if forwards else None}
 
 
 def compare(records) -> list[dict]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +20,11 @@ from ..generation import speculative_generate
 from ..windowing import AdaptiveWindowPolicy
 
 METHODS = (
-    "target", "hf_assisted", "hf_heuristic", "hf_confidence", "prompt_lookup", "hook", "fast_fixed", "fast_adaptive"
+    "target", "hf_assisted", "hf_heuristic", "hf_confidence", "prompt_lookup", "hook", "fast_fixed", "fast_adaptive",
+    "fast_plain",
 )
 DRAFTER_METHODS = ("hf_assisted", "hf_heuristic", "hf_confidence", "hook", "fast_fixed", "fast_adaptive")
-FAST_METHODS = ("fast_fixed", "fast_adaptive")
+FAST_METHODS = ("fast_fixed", "fast_adaptive", "fast_plain")
 DEFAULT_METHODS = ("target", "hf_assisted", "fast_fixed", "fast_adaptive")
 MODES = {"greedy": False, "sample": True}  # mode -> do_sample; sampling is at temperature 1
 HF_CONFIDENCE_THRESHOLD = 0.4  # transformers' default assistant_confidence_threshold
@@ -40,17 +42,28 @@ class BenchDrafter:
 
 
 class CallCounter:
-    """Counts calls of modules through forward pre-hooks (``calls[name]``); ``close()`` removes them."""
+    """Counts calls of modules and the seconds spent in them, through forward pre- and post-hooks
+    (``calls[name]``, ``seconds[name]``); ``close()`` removes them. The timing is what a round decomposes into:
+    target forwards, drafter forwards, and the rest (the loop itself: sampling, verification, bookkeeping)."""
 
     def __init__(self):
         self.calls = Counter()
+        self.seconds = Counter()
+        self._started = {}
         self._handles = []
 
     def watch(self, name: str, module: torch.nn.Module) -> None:
-        def hook(_module, _args, name=name):
+        def before(_module, _args, name=name):
             self.calls[name] += 1
+            self._started[name] = time.perf_counter()
 
-        self._handles.append(module.register_forward_pre_hook(hook))
+        def after(_module, _args, _output, name=name):
+            start = self._started.pop(name, None)
+            if start is not None:
+                self.seconds[name] += time.perf_counter() - start
+
+        self._handles.append(module.register_forward_pre_hook(before))
+        self._handles.append(module.register_forward_hook(after))
 
     def close(self) -> None:
         for handle in self._handles:
@@ -118,18 +131,22 @@ class _Runner:
         return out[0, input_ids.shape[1]:].tolist(), {"prefill_forwards": 0}
 
     def _fast(self, input_ids, do_sample, max_new_tokens, seed):
-        policy = self.drafter.policy
+        if self.method == "fast_plain":  # our loop with K = 0: plain decoding, the loop's own overhead
+            policy, model = AdaptiveWindowPolicy(max_window=0), self.target
+        else:
+            policy, model = self.drafter.policy, self.drafter.model
         if self.method == "fast_fixed":
             policy = AdaptiveWindowPolicy(max_window=policy.max_window, threshold=0.0)
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
         out = speculative_generate(
-            self.target, self.drafter.model, input_ids, policy=policy, max_new_tokens=max_new_tokens,
+            self.target, model, input_ids, policy=policy, max_new_tokens=max_new_tokens,
             do_sample=do_sample, temperature=1.0, eos_token_id=self.stop_ids, vocab_size=self.vocab_size,
             generator=generator,
         )
         extra = {"prefill_forwards": out.prefill_forwards, "loop_target_forwards": out.target_forwards,
                  "rounds": out.num_rounds, "loop_tau": out.tau, "max_window": out.max_window,
-                 "accepted_per_round": out.accepted_per_round, "window_lengths": out.window_lengths}
+                 "accepted_per_round": out.accepted_per_round, "window_lengths": out.window_lengths,
+                 "guard_decisions": out.guard_decisions}
         return out.new_tokens, extra
 
 

@@ -50,21 +50,27 @@ def _first_mismatch(tokens, reference):
 
 def _timed_call(runner, counter, ids, do_sample, max_new_tokens, seed, device) -> tuple[dict, list[int]]:
     """Time one generation call and count its forwards; returns its record (without the prompt fields) and tokens."""
-    before = Counter(counter.calls)
+    before, before_seconds = Counter(counter.calls), Counter(counter.seconds)
     _synchronize(device)
     start = time.perf_counter()
     tokens, extra = runner(ids, do_sample, max_new_tokens, seed)
     _synchronize(device)
     seconds = time.perf_counter() - start
     calls = counter.calls - before
+    spent = counter.seconds - before_seconds
     drafter = runner.drafter
-    drafter_calls = 0 if drafter is None else calls[f"drafter:{drafter.name}"] + calls[f"assistant:{drafter.name}"]
+    names = () if drafter is None else (f"drafter:{drafter.name}", f"assistant:{drafter.name}")
+    drafter_calls = sum(calls[name] for name in names)
+    drafter_seconds = sum(spent[name] for name in names)
     verification = calls["target"] - extra.pop("prefill_forwards")  # forwards that yield tokens
     record = {"method": runner.method, "drafter": None if drafter is None else drafter.name, "label": runner.label,
               "prompt_tokens": ids.shape[1], "tokens": len(tokens), "seconds": seconds,
               "tokens_per_second": len(tokens) / seconds, "target_forwards": calls["target"],
               "verification_forwards": verification, "drafter_forwards": drafter_calls,
-              "tau": len(tokens) / verification if verification else float("nan"), **extra}
+              "tau": len(tokens) / verification if verification else float("nan"),
+              # the decomposition of the call: model forwards and what lies outside them (the loop itself)
+              "target_seconds": spent["target"], "drafter_seconds": drafter_seconds,
+              "outside_seconds": seconds - spent["target"] - drafter_seconds, **extra}
     return record, tokens
 
 

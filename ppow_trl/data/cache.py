@@ -268,33 +268,66 @@ def build_sharded_dataset(
     name private to this process and renamed when complete, so a shard that exists is finished and is
     loaded, never recomputed. Several processes may build the same cache at once (e.g. every rank of a
     launch): the first to finish a shard publishes it, the others discard theirs and load it, so all end
-    with the same data (`main_process_first` avoids the duplicated work). The result is the
-    concatenation of the shards (memory-mapped from disk when cached).
+    with the same data. Under several processes (`accelerate launch`, torchrun) with a cache, every process must
+    call this with the same inputs: chunk ``i`` is built by rank ``i % world``, a barrier waits for all of them,
+    and every rank loads every shard (do not wrap such a call in `main_process_first`, which would leave the
+    work to rank 0). The result is the concatenation of the shards (memory-mapped from disk when cached).
     """
     if chunk_size < 1 or batch_size < 1:
         raise ValueError(f"chunk_size and batch_size must be >= 1, got {chunk_size} and {batch_size}.")
     folder = open_cache_folder(cache_dir, kind, settings) if cache_dir is not None else None
     if folder is not None:
         logger.info("Caching %s in %s", kind, folder)
-    shards = []
-    with tqdm(total=len(inputs), desc=desc or kind, unit="example") as progress:
-        for chunk_index in range(math.ceil(len(inputs) / chunk_size)):
-            start, stop = chunk_index * chunk_size, min((chunk_index + 1) * chunk_size, len(inputs))
-            shard_path = folder / f"shard-{chunk_index:05d}" if folder is not None else None
-            if shard_path is not None and shard_path.exists():
-                shards.append(_load_quietly(shard_path))
-                progress.update(stop - start)
-                continue
-            outputs = []
-            with _seeded(None if seed is None else _chunk_seed(seed, chunk_index)):
-                for batch in _batches(inputs.select(range(start, stop)).to_list(), batch_size):
-                    outputs.extend(process_batch(batch))
-                    progress.update(len(batch))
-            shard = _dataset_from_rows(outputs, features)
-            if shard_path is not None and not _save_atomically(shard, shard_path):
-                shard = _load_quietly(shard_path)  # another process published this shard first: use theirs
-            shards.append(shard)
+    num_chunks = math.ceil(len(inputs) / chunk_size)
+    if folder is None:  # nothing to share or resume: compute in memory
+        shards = [_chunk_dataset(inputs, process_batch, features, index, chunk_size, batch_size, seed, desc or kind)
+                  for index in range(num_chunks)]
+    else:
+        # Each process builds its share of the missing chunks (chunk i on rank i % world), then all load every shard.
+        rank, world = _process_share()
+        for index in range(rank, num_chunks, world):
+            shard_path = folder / f"shard-{index:05d}"
+            if not shard_path.exists():
+                _save_atomically(_chunk_dataset(inputs, process_batch, features, index, chunk_size, batch_size, seed,
+                                                desc or kind), shard_path)  # False: another process published it
+        if world > 1:
+            _wait_for_everyone()
+        shards = [_load_quietly(folder / f"shard-{index:05d}") for index in range(num_chunks)]
     return concatenate_datasets(shards) if shards else _dataset_from_rows([], features)
+
+
+def _state():
+    """accelerate's process state. Without CUDA it must be created with ``cpu=True``, else every process of a
+    torchrun / ``accelerate launch`` sees a world of 1 (accelerate 1.15); an existing state is returned as it is."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def _process_share() -> tuple[int, int]:
+    """``(rank, world size)`` under ``accelerate launch`` / torchrun; ``(0, 1)`` in a single process."""
+    state = _state()
+    return state.process_index, state.num_processes
+
+
+def _wait_for_everyone() -> None:
+    _state().wait_for_everyone()
+
+
+def _chunk_dataset(inputs, process_batch, features, chunk_index: int, chunk_size: int, batch_size: int, seed,
+                   desc: str) -> Dataset:
+    """``process_batch`` over one chunk of ``inputs``, under the chunk's own seed, as a dataset."""
+    start, stop = chunk_index * chunk_size, min((chunk_index + 1) * chunk_size, len(inputs))
+    rank, world = _process_share()
+    label = f"{desc} (chunk {chunk_index + 1}/{math.ceil(len(inputs) / chunk_size)}" + (
+        f", rank {rank})" if world > 1 else ")")
+    outputs = []
+    with _seeded(None if seed is None else _chunk_seed(seed, chunk_index)), \
+            tqdm(total=stop - start, desc=label, unit="example") as progress:
+        for batch in _batches(inputs.select(range(start, stop)).to_list(), batch_size):
+            outputs.extend(process_batch(batch))
+            progress.update(len(batch))
+    return _dataset_from_rows(outputs, features)
 
 
 @contextlib.contextmanager
@@ -306,9 +339,7 @@ def main_process_first() -> Iterator[None]:
     them. (Without it every rank builds; `build_sharded_dataset` is still correct, just wasteful.) Uses
     `accelerate.PartialState().main_process_first()` when the state reports more than one process.
     """
-    from accelerate import PartialState
-
-    state = PartialState()
+    state = _state()
     if state.num_processes > 1:
         with state.main_process_first():
             yield
