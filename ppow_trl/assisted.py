@@ -96,7 +96,7 @@ from pathlib import Path
 
 from .cost import CostModel
 from .custom_generate import generate as _custom_generate_module
-from .custom_generate.generate import SpeculationGuard, WindowBudget
+from .custom_generate.generate import WindowBudget
 from .custom_generate.generate import generate as _hook_generate
 from .utils import _looks_like_repo_id
 from .windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy

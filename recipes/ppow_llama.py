@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
+from transformers.trainer_utils import get_last_checkpoint
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from ppow_trl import KDConfig, KDTrainer, PPOWConfig, PPOWTrainer
@@ -97,6 +98,11 @@ class PPOWScriptArguments:
             Steps of token-level distillation (KDTrainer on the target's top-k) before PPOW; 0 skips it.
         kd_learning_rate (`float`, *optional*, defaults to `5e-4`):
             Learning rate of the KD warm start.
+        kd_batch_size (`int`, *optional*, defaults to `8`):
+            KD sequences per process and step.
+        kd_save_steps (`int`, *optional*, defaults to `0`):
+            Checkpoint the KD warm start every this many steps in `<output_dir>/kd`, and resume from the latest
+            checkpoint there when the recipe is run again (long runs); 0 keeps no checkpoint.
         eval_prompts (`str`, *optional*, defaults to `"mtbench"`):
             Held-out prompts of the tau/speedup evaluation: `mtbench`, `sharegpt-test` or a JSONL file.
         num_eval_prompts (`int`, *optional*, defaults to `4`):
@@ -129,6 +135,8 @@ class PPOWScriptArguments:
     calibration_fraction: float = field(default=0.2, metadata={"help": "Responses held out to calibrate (K, h)."})
     kd_steps: int = field(default=0, metadata={"help": "KD warm-start steps (0 = none)."})
     kd_learning_rate: float = field(default=5e-4, metadata={"help": "KD learning rate."})
+    kd_batch_size: int = field(default=8, metadata={"help": "KD sequences per process and step."})
+    kd_save_steps: int = field(default=0, metadata={"help": "KD checkpoint interval (0 = none); resumes from the last."})
     eval_prompts: str = field(default="mtbench", metadata={"help": "mtbench | sharegpt-test | path.jsonl"})
     num_eval_prompts: int = field(default=4, metadata={"help": "Evaluation prompts (0 = no evaluation)."})
     merge_adapter: bool = field(default=False, metadata={"help": "Also save the merged standalone drafter."})
@@ -147,6 +155,9 @@ class PPOWScriptArguments:
                              f"{self.drafter_type!r} (allowed: {list(formats) or 'none'}).")
         if not 0.0 < self.calibration_fraction < 1.0:
             raise ValueError(f"calibration_fraction must lie in (0, 1), got {self.calibration_fraction}.")
+        if self.kd_steps < 0 or self.kd_batch_size < 1 or self.kd_save_steps < 0 or self.kd_learning_rate <= 0:
+            raise ValueError(f"kd_steps and kd_save_steps must be >= 0, kd_batch_size >= 1 and kd_learning_rate > 0; "
+                             f"got {self.kd_steps}, {self.kd_save_steps}, {self.kd_batch_size}, {self.kd_learning_rate}.")
         if self.num_train_prompts < 2:
             raise ValueError(f"num_train_prompts must be >= 2 (training and calibration), got {self.num_train_prompts}.")
 
@@ -209,14 +220,28 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         if script_args.drafter_type != "standalone":  # the drafter's inputs, computed once (float16, cached)
             topk = compute_target_features(target, topk, target_layer_ids(drafter), batch_size=8,
                                            cache_dir=cache / "features")
-        kd_args = KDConfig(output_dir=str(Path(training_args.output_dir) / "kd"), max_steps=script_args.kd_steps,
-                           per_device_train_batch_size=8, learning_rate=script_args.kd_learning_rate,
-                           lr_scheduler_type="cosine", warmup_steps=max(1, script_args.kd_steps // 10),
-                           logging_steps=max(1, script_args.kd_steps // 5), save_strategy="no",
+        kd_dir = Path(training_args.output_dir) / "kd"
+        saving = {"save_strategy": "steps", "save_steps": script_args.kd_save_steps, "save_total_limit": 2} \
+            if script_args.kd_save_steps else {"save_strategy": "no"}
+        kd_args = KDConfig(output_dir=str(kd_dir), max_steps=script_args.kd_steps,
+                           per_device_train_batch_size=script_args.kd_batch_size,
+                           learning_rate=script_args.kd_learning_rate, lr_scheduler_type="cosine",
+                           warmup_steps=max(1, script_args.kd_steps // 10),
+                           logging_steps=max(1, min(50, script_args.kd_steps // 5)), **saving,
                            report_to=training_args.report_to, seed=training_args.seed, use_cpu=training_args.use_cpu,
-                           ttt_steps=script_args.ttt_steps)
+                           ttt_steps=script_args.ttt_steps, ddp_find_unused_parameters=False)
+        resume = get_last_checkpoint(str(kd_dir)) if script_args.kd_save_steps and kd_dir.is_dir() else None
+        if resume:
+            logger.info("KD resumes from %s", resume)
+        embeddings = drafter.get_input_embeddings() if script_args.drafter_type == "standalone" else None
+        if embeddings is not None:
+            # The target's own embedding, kept as it is (as EAGLE's heads do): under several processes its dense
+            # 49k x d gradient was most of each step's all-reduce, for rows most tokens never touch.
+            embeddings.requires_grad_(False)
         KDTrainer(model=drafter.train(), args=kd_args, train_dataset=topk, processing_class=tokenizer,
-                  target=target).train()
+                  target=target).train(resume_from_checkpoint=resume)
+        if embeddings is not None:
+            embeddings.requires_grad_(True)
 
     # The held-out responses are the trainer's eval_dataset: eval_tau at eval_steps (if eval_strategy is set) and,
     # at the end of train(), the calibration of (K, h) in training_args.calibration_regime.

@@ -63,6 +63,20 @@ def make_tiny_llama(vocab_size: int = 64, num_layers: int = 2, hidden_size: int 
     return model
 
 
+def make_target_and_drafters(seed: int = 0, noise: float = 0.02):
+    """A non-degenerate target, a random drafter (often wrong) and a noisy copy of the target (often right)."""
+    import copy
+
+    target = make_tiny_llama(num_layers=2, seed=seed, initializer_range=0.5)
+    random_drafter = make_tiny_llama(num_layers=1, seed=seed + 1, initializer_range=0.5)
+    close_drafter = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for parameter in close_drafter.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=g) * noise)
+    return target, random_drafter, close_drafter
+
+
 @pytest.fixture
 def tiny_tokenizer():
     return make_tiny_tokenizer()

@@ -27,7 +27,8 @@ import torch
 from scipy.stats import chisquare
 
 import ppow_trl.custom_generate.generate as hook_module
-from conftest import easy_hard_bigram_table, make_bigram_llama, make_tiny_llama, make_tiny_tokenizer
+from conftest import (easy_hard_bigram_table, make_bigram_llama, make_target_and_drafters,
+                      make_tiny_tokenizer)
 from ppow_trl._compat import SUPPORTED_TRL_RANGE, check_trl_version
 from ppow_trl.assisted import (
     CUSTOM_GENERATE_FILE,
@@ -52,15 +53,7 @@ COST = CostModel(drafter_cost=0.2, verify_cost=[1.0, 1.1, 1.2], description="tes
 
 
 def make_models(seed=0):
-    """A non-degenerate target, a random drafter (often wrong) and a noisy copy of the target (often right)."""
-    target = make_tiny_llama(num_layers=2, seed=seed, initializer_range=0.5)
-    random_drafter = make_tiny_llama(num_layers=1, seed=seed + 1, initializer_range=0.5)
-    close_drafter = copy.deepcopy(target)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for parameter in close_drafter.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=g) * 0.02)
-    return target, random_drafter, close_drafter
+    return make_target_and_drafters(seed, noise=0.02)
 
 
 @pytest.fixture(scope="module")

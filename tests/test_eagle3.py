@@ -479,3 +479,31 @@ def test_hf_route_sampling_matches_target_distribution():
     tap.remove()
     _, p_value = chisquare(counts.numpy(), (expected / expected.sum() * samples).numpy())
     assert p_value > 1e-3
+
+
+def test_hf_route_applies_the_guard_as_our_loop_does(trained):
+    """The online guard on the chain route: a break-even the head cannot reach pauses it, HF's loop then decodes
+    plainly round by round and probes again, making the same decisions as our loop; output stays plain greedy."""
+    import copy
+
+    from ppow_trl.custom_generate.generate import guard_of
+    from ppow_trl.eagle3 import attach_to_target
+
+    target, drafter = trained["target"], trained["drafter"]
+    policy = AdaptiveWindowPolicy(3, 0.0, guard={"break_even_tokens": 2.5, "window": 2, "probe_every": 3})
+    original = copy.deepcopy(drafter.generation_config)
+    tap = attach_to_target(drafter, target, policy)
+    try:
+        guard = guard_of(drafter)
+        for prompt in trained["responses"]["prompt_ids"][:3]:
+            prompt = torch.tensor([prompt])
+            plain = target.generate(prompt, do_sample=False, max_new_tokens=24, pad_token_id=0, eos_token_id=None)
+            out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=24, pad_token_id=0,
+                                  eos_token_id=None)
+            assert torch.equal(out, plain)
+            ours = speculative_generate(target, drafter, prompt, policy=policy, max_new_tokens=24, eos_token_id=[])
+            assert guard.decisions == ours.guard_decisions and not all(ours.guard_decisions)
+    finally:
+        tap.remove()
+        del drafter.generate
+        drafter.generation_config = original

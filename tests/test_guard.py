@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from conftest import make_target_and_drafters
 from ppow_trl import exact_greedy_tau, speculative_generate
 from ppow_trl.assisted import load_assistant, save_assistant
 from ppow_trl.calibration import calibrate_policy
@@ -26,16 +26,10 @@ GUARD = {"break_even_tokens": 1.5, "window": 3, "probe_every": 4}
 
 
 def make_models(seed=0):
-    target = make_tiny_llama(num_layers=2, seed=seed, initializer_range=0.5)
-    random_drafter = make_tiny_llama(num_layers=1, seed=seed + 1, initializer_range=0.5)
-    close_drafter = copy.deepcopy(target)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for parameter in close_drafter.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=g) * 0.01)
-    for model in (target, random_drafter, close_drafter):
+    models = make_target_and_drafters(seed, noise=0.01)
+    for model in models:
         model.generation_config.eos_token_id = None  # long generations: the guard has rounds to act on
-    return target, random_drafter, close_drafter
+    return models
 
 
 @pytest.fixture(scope="module")
