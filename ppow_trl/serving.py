@@ -66,7 +66,8 @@ def calibrate_for_serving(
                                       vocab_size=vocab_size, pad_id=pad_id, seed=seed, allow_no_speculation=True,
                                       guard=guard)
     rows = next(iter(report["grid"].values()))  # every regime's grid lists the same (K, h) in the same order
-    speed, best = max((speed, row) for row, speed in zip(rows, report["mean_speedup"]) if row["max_window"] > 0)
+    speed, best = max(((speed, row) for row, speed in zip(rows, report["mean_speedup"]) if row["max_window"] > 0),
+                      key=lambda pair: pair[0])  # the first of equal speedups (rows are dicts: never compared)
     policy.calibration["best_speculative_speedup"] = speed
     # The best rule that does speculate, with its own guard: what serving would run if this machine's costs
     # were lower (benchmarks/speedup.py measures it next to the served rule).

@@ -183,3 +183,21 @@ def test_calibration_sets_the_guard_from_the_cost_of_the_chosen_rule(models):
         expected = float(cost.round_time(lengths).mean())
         assert policy.guard["break_even_tokens"] == pytest.approx(expected)
         assert policy.guard["window"] == 8 and policy.guard["probe_every"] == 32
+
+
+def test_calibrate_for_serving_measures_the_served_drafter_and_picks_plain_decoding_when_nothing_pays(models):
+    """On the drafter as served: its own cost model, the best speculative rule kept for reference (many (K, h) tie
+    on a random drafter's windows), K = 0 exactly when that rule is predicted at or under 1x."""
+    from ppow_trl.serving import calibrate_for_serving
+
+    target, random_drafter, close_drafter = models
+    contexts = [ids[0] for ids in prompts(8)]
+    for drafter in (random_drafter, close_drafter):
+        policy, cost, _ = calibrate_for_serving(target, drafter, contexts, max_window=3, cost_repeats=3)
+        assert "served drafter" in cost.description and not drafter.training
+        best = policy.calibration["best_speculative_speedup"]
+        assert (policy.max_window == 0) == (best <= 1.0)
+        assert policy.calibration["best_speculative_rule"]["max_window"] >= 1
+        assert policy.calibration["serving_rule"].startswith("No speculation" if policy.max_window == 0 else "K = ")
+        if policy.max_window:
+            assert policy.guard["break_even_tokens"] > 1.0
