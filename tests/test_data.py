@@ -356,7 +356,7 @@ def test_main_process_first_is_a_no_op_in_one_process_and_waits_in_several(monke
 
     for num_processes, expected in ((1, []), (2, ["enter", "body", "exit"])):
         calls.clear()
-        monkeypatch.setattr(accelerate, "PartialState", lambda n=num_processes: FakeState(n))
+        monkeypatch.setattr(accelerate, "PartialState", lambda n=num_processes, **kwargs: FakeState(n))
         with data.main_process_first():
             calls.append("body")
         assert calls == (expected or ["body"])

@@ -54,7 +54,7 @@ def test_threshold_extremes():
     assert AdaptiveWindowPolicy(1, 0.0).window_lengths(conf).tolist() == [1, 1, 1]
 
 
-@pytest.mark.parametrize("kwargs", [{"max_window": 0}, {"max_window": 2.5}, {"threshold": -0.1}, {"threshold": 1.5}])
+@pytest.mark.parametrize("kwargs", [{"max_window": -1}, {"max_window": 2.5}, {"threshold": -0.1}, {"threshold": 1.5}])
 def test_invalid_window_settings_raise(kwargs):
     with pytest.raises(ValueError, match="max_window|threshold"):
         AdaptiveWindowPolicy(**kwargs)

@@ -48,7 +48,6 @@ writes no file and starts no process.
 import copy
 import json
 import os
-from collections import deque
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
@@ -163,7 +162,7 @@ class SpeculationGuard:
 
     def reset(self) -> None:
         """A new generation: speculating, no history."""
-        self.history = deque(maxlen=self.window)
+        self.history = []  # A + 1 of the last `window` counted drafting rounds
         self.paused_left = 0
         self.probing = False
         self.ignore_next = False
@@ -189,12 +188,11 @@ class SpeculationGuard:
         if self.probing:
             self.probing = False
             if tokens >= self.break_even_tokens:
-                self.history.clear()
-                self.history.append(tokens)
+                self.history = [tokens]
             else:
                 self._pause()
             return
-        self.history.append(tokens)
+        self.history = (self.history + [tokens])[-self.window :]
         if len(self.history) == self.window and sum(self.history) < self.break_even_tokens * self.window:
             self._pause()
 
@@ -220,7 +218,7 @@ class SpeculationGuard:
         self.last_window = (int(start), [int(t) for t in tokens])
 
     def _pause(self) -> None:
-        self.history.clear()
+        self.history = []
         self.paused_left = self.probe_every
         self.probing = True  # the first drafting round after the pause is a probe
         self.ignore_next = True  # the round being drafted now began before the pause
