@@ -94,6 +94,28 @@ def summarize(report: dict) -> list[dict]:
     return rows
 
 
+def markdown(results: dict) -> str:
+    """One table per (drafter, prompt set): the rows of the JSON, for BENCHMARKS.md."""
+    lines = []
+    for key, run in results["runs"].items():
+        costs = run["cost_model"]
+        lines += [f"**{key}** ({run['num_prompts']} prompts, {run['max_new_tokens']} new tokens, greedy, {run['precision']}, "
+                  f"{run['threads']} thread, {run['date']}). Served rule: {run['served_rule']}", "",
+                  "| route | tau | speedup, median [95% CI] | lossless | ms/round: target / drafter / outside | "
+                  "outside share | plain rounds (guard) |", "|---|---|---|---|---|---|---|"]
+        for row in run["rows"]:
+            ms = row.get("ms_per_round") or {}
+            ci = row["speedup_median_ci95"]
+            plain = row.get("guard_plain_round_share")
+            lines.append(f"| {row['label']} | {row['tau']:.3f} | {row['speedup_median']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] | "
+                         f"{row['lossless_prompts']} | {ms.get('target', 0):.1f} / {ms.get('drafter', 0):.1f} / "
+                         f"{ms.get('outside', 0):.1f} | {row.get('outside_share') or 0:.3f} | "
+                         + ("-" if plain is None else f"{plain:.2f}") + " |")
+        lines += ["", f"t_d/t_t = {costs['drafter_cost']:.3f}, t_v(L)/t_t (L = 0..) = "
+                  + " / ".join(f"{c:.2f}" for c in costs["verify_cost"]) + f" ({costs['description']})", ""]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
@@ -152,6 +174,7 @@ def main(argv=None) -> int:
             results["command"] = "python " + " ".join(sys.argv)
             out_path.parent.mkdir(parents=True, exist_ok=True)
             out_path.write_text(json.dumps(results, indent=1, default=float))
+            out_path.with_suffix(".md").write_text(markdown(results))
             for row in results["runs"][key]["rows"]:
                 ci = row["speedup_median_ci95"]
                 print(f"  {row['label']:36s} tau {row['tau']:.3f}  speedup {row['speedup_median']:.3f}x "

@@ -7,6 +7,9 @@ It imports only the standard library, torch and transformers (never ppow_trl): a
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` where ppow_trl is not installed still
 applies the same rule.
 
+The online guard (``SpeculationGuard``, ``WindowBudget``) lives here too, next to the rule it pauses: within one
+generation, drafting stops for a while when the rounds stop paying, and probes again (see the class).
+
 The rule: after the i-th drafted token, keep drafting while ``prod_{j<=i} conf_j >= h`` and ``i < K``, with
 ``conf_j = max_v softmax(z_j / T_c)(v)``: the drafter's logits ``z_j`` at the policy's confidence temperature
 ``T_c``, whatever the decoding temperature (greedy drafting still needs real confidences: a one-hot ``q``
@@ -41,7 +44,9 @@ similar processor shifts them too. Pass ``top_k=0`` (and no ``top_p``) to get ex
 What running this file does (it is what ``trust_remote_code=True`` executes): importing it imports ``copy``,
 ``json``, ``os``, ``torch`` and transformers' stopping criteria, and defines the functions and classes below;
 nothing else happens at import. Calling the hook may read ``ppow_window_policy.json`` next to the weights (a
-local file), copies the generation config and calls the model's own ``generate``. It never touches the network,
+local file), copies the generation config and calls the model's own ``generate``; for a guarded drafter (a
+``WindowBudget`` in its generation config, which ``ppow_trl.assisted.load_assistant`` installs: the guard needs
+ppow_trl) it also runs one drafter forward over the ids decoded plainly during a pause. It never touches the network,
 writes no file and starts no process.
 """
 
@@ -153,12 +158,6 @@ class SpeculationGuard:
         self.break_even_tokens = float(break_even_tokens)
         self.window, self.probe_every = int(window), int(probe_every)
         self.reset()
-
-    @classmethod
-    def from_policy(cls, policy: dict | None):
-        """The guard a policy dict carries (``policy["guard"]``), or ``None``."""
-        settings = (policy or {}).get("guard")
-        return None if not settings else cls(**settings)
 
     def reset(self) -> None:
         """A new generation: speculating, no history."""
@@ -275,7 +274,6 @@ def ppow_window_policy(model):
         "threshold": float(policy["threshold"]),
         "confidence_temperature": float(policy.get("confidence_temperature", 1.0)),
         "vocab_size": None if policy.get("vocab_size") is None else int(policy["vocab_size"]),
-        "guard": policy.get("guard"),
     }
 
 
