@@ -199,6 +199,17 @@ def _truncate_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]
     return tokens, False
 
 
+def round_cap(policy: AdaptiveWindowPolicy, guard, room: int, previous_accepted: int | None) -> int:
+    """The most tokens this round drafts: ``K`` (0 while the guard pauses), at most ``room``. A drafting round first
+    hands the guard the previous drafting round's ``A`` (``SpeculationGuard``'s protocol, the one HF's loop imposes);
+    call once per round."""
+    drafting = guard is None or guard.decide()
+    cap = min(policy.max_window if drafting else 0, room)
+    if guard is not None and cap > 0 and previous_accepted is not None:
+        guard.record(previous_accepted)
+    return cap
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -251,10 +262,7 @@ def speculative_generate(
 
     while not finished_by_eos and len(new_tokens) < max_new_tokens:
         committed = len(sequence)
-        drafting = guard is None or guard.decide()
-        cap = min(policy.max_window if drafting else 0, max_new_tokens - len(new_tokens) - 1)
-        if guard is not None and cap > 0 and previous_accepted is not None:
-            guard.record(previous_accepted)
+        cap = round_cap(policy, guard, max_new_tokens - len(new_tokens) - 1, previous_accepted)
         window: list[int] = []
         drafter_probs: list[torch.Tensor] = []
         # every committed token the drafter has not read yet (None: nothing to draft from yet)
@@ -418,11 +426,8 @@ def exact_greedy_tau(
     accepted_counts, emitted = [], []
     guard, previous_accepted = policy.new_guard(), None  # the loop's guard, replayed (it reads A only)
     while done < total:
-        drafting = guard is None or guard.decide()
-        cap = min(policy.max_window if drafting else 0, max_new_tokens - done - 1)
+        cap = round_cap(policy, guard, max_new_tokens - done - 1, previous_accepted)
         if cap > 0:
-            if guard is not None and previous_accepted is not None:
-                guard.record(previous_accepted)
             leading = int(matches[done, :cap].long().cumprod(0).sum())
             length = int(policy.window_lengths(confidences[done].unsqueeze(0))[0])
             accepted = previous_accepted = min(leading, length, cap)
