@@ -126,6 +126,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/speedup.json")
     parser.add_argument("--force", action="store_true", help="recompute pairs already in the output")
+    parser.add_argument("--sets", nargs="+", choices=("mtbench", "code"), default=["mtbench", "code"])
+    parser.add_argument("--served-only", action="store_true",
+                        help="only the served rule (and target, fast_plain): skip the speculative alternatives")
     args = parser.parse_args(argv)
     drafters = dict(item.split("=", 1) for item in args.drafter) if args.drafter else {
         name: path for name, path in DEFAULT_DRAFTERS.items() if Path(path).is_dir()}
@@ -140,10 +143,10 @@ def main(argv=None) -> int:
     target_path = smollm2_path()
     target = load_target(target_path)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    sets = {"mtbench": load_prompts("mtbench", num_samples=args.num_prompts),
-            "code": load_prompts("code", num_samples=args.code_prompts)}
+    sizes = {"mtbench": args.num_prompts, "code": args.code_prompts}
+    sets = {name: load_prompts(name, num_samples=sizes[name]) for name in args.sets}
     for name, folder in drafters.items():
-        bench_drafters = variants(Path(folder))
+        bench_drafters = variants(Path(folder))[: 1 if args.served_only else None]
         served = bench_drafters[0]
         for set_name, prompts in sets.items():
             key = f"{name}/{set_name}"
