@@ -15,6 +15,7 @@ import torch
 
 from ..metrics import summarize
 from ..verification import acceptance_histogram
+from ..serving import describe_serving_rule
 from .runners import DRAFTER_METHODS, FAST_METHODS, METHODS, BenchDrafter
 
 # (method, baseline): figures reported as median/p25/p75 of per-prompt tokens/s ratios
@@ -32,7 +33,8 @@ def _drafter_info(drafter: BenchDrafter) -> dict:
             "parameters": sum(p.numel() for p in drafter.model.parameters()),
             "cost_ratio": None if cost is None else cost.drafter_cost,
             "cost_per_round": None if cost is None else cost.drafter_per_round,  # t_d of a block drafter's round
-            "verify_cost": None if cost is None else cost.verify_cost}
+            "verify_cost": None if cost is None else cost.verify_cost,
+            "served_rule": describe_serving_rule(drafter.policy, cost)}
 
 
 def _group(records, keys):
@@ -174,6 +176,7 @@ def format_markdown(report: dict) -> str:
         for d in report["drafters"]:
             lines.append(f"| {d['name']} | {d['policy']['max_window']} | {d['policy']['threshold']} | "
                          f"{d['parameters'] / 1e6:.1f}M | {_fmt(d['cost_ratio'], 3)} | {d['source']} |")
+        lines += [""] + [f"- {d['name']}: {d['served_rule']}" for d in report["drafters"] if d.get("served_rule")]
     fast = [row for row in report["summary"] if "acceptance_histogram" in row]
     if fast:
         lines += ["", "Fast loop: rounds by accepted length A and by window length L (0..K).", "",
