@@ -124,8 +124,8 @@ def forward_at(model, tokens: list[int], cache, start: int, feature_layers: list
         cache.activate_past_recording()
     ids = torch.tensor([tokens], dtype=torch.long, device=device)
     positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-    # No attention mask: one unpadded sequence attends to its whole cache, and like generate's decoding steps (which
-    # drop an all-ones mask) the model then builds no explicit mask; passing one cost ~2-4% of a SmolLM2 step.
+    # No attention mask: one unpadded sequence attends to its whole cache, as in generate's decoding steps (which
+    # drop an all-ones mask). Timed in isolation, with or without a mask the SmolLM2 step costs the same.
     return target_forward(model, feature_layers, input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
                           **kwargs)
 
