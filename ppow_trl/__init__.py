@@ -26,7 +26,7 @@ from .verification import (
     residual_distribution,
     speculative_sampling_verify,
 )
-from .windowing import AdaptiveWindowPolicy, calibrate_window_policy, divergence_scores, window_start_probabilities
+from .windowing import AdaptiveWindowPolicy, divergence_scores, window_start_probabilities
 
 __all__ = [
     "AdaptiveWindowPolicy",
@@ -43,7 +43,6 @@ __all__ = [
     "acceptance_probabilities",
     "build_draft_vocab",
     "calibrate_cost_model",
-    "calibrate_window_policy",
     "check_compatibility",
     "divergence",
     "divergence_scores",

@@ -1,11 +1,14 @@
-"""Version check done at ``import ppow_trl`` (importing this module runs ``check_trl_version()``).
+"""Version check done at ``import ppow_trl`` (importing this module runs ``check_trl_version()``), and the one
+bitsandbytes import-time warning that says nothing useful (``silence_bnb_missing_kernels_warning()``).
 
 No heavy import here: it runs before anything imports trl.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 
 SUPPORTED_TRL = (1, 16)
 """The trl minor version whose private ``GRPOTrainer`` methods ``PPOWTrainer`` overrides (setup.cfg pins it)."""
@@ -54,4 +57,30 @@ def _major_minor(version: str) -> tuple[int, ...] | None:
         return None
 
 
+BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+"""The logger of bitsandbytes' CPU backend, which tries the optional `kernels` package when it is imported."""
+MISSING_KERNELS_WARNING = re.compile(r"Failed to load CPU gemm_4bit_forward from kernels-community: "
+                                     r"No module named 'kernels'\.")
+
+
+class _DropMissingKernelsWarning(logging.Filter):
+    """Drops only bitsandbytes' "No module named 'kernels'" warning (it then uses its own CPU kernel, which is all
+    ppow_trl needs); any other failure to load that kernel, and every other record, still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return MISSING_KERNELS_WARNING.match(record.getMessage()) is None
+        except Exception:  # a malformed record: let logging report it as usual
+            return True
+
+
+def silence_bnb_missing_kernels_warning() -> None:
+    """Install that filter on bitsandbytes' CPU-backend logger (idempotent). It must run before bitsandbytes is
+    imported (transformers, accelerate and peft import it), since the warning is logged at import."""
+    logger = logging.getLogger(BNB_CPU_LOGGER)
+    if not any(isinstance(existing, _DropMissingKernelsWarning) for existing in logger.filters):
+        logger.addFilter(_DropMissingKernelsWarning())
+
+
 check_trl_version()
+silence_bnb_missing_kernels_warning()

@@ -88,98 +88,28 @@ Other notes:
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 from .cost import CostModel
 from .custom_generate import generate as _custom_generate_module
-from .custom_generate.generate import WindowBudget
-from .custom_generate.generate import generate as _hook_generate
-from .utils import _looks_like_repo_id
-from .windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
+from .drafting import HUB_KWARGS, detect_family, family_of
+from .standalone import attach_window_policy  # noqa: F401  (public here since the first release)
+from .utils import PEFT_ASSISTANT_MESSAGE, _looks_like_repo_id, is_peft_model
+from .windowing import (  # noqa: F401  (policy_dict and configure_generation_config are public here too)
+    GENERATION_CONFIG_KEY,
+    WINDOW_POLICY_FILE,
+    AdaptiveWindowPolicy,
+    _check_policy,
+    configure_generation_config,
+    policy_dict,
+)
 
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
-GENERATION_CONFIG_KEY = _custom_generate_module.PPOW_GENERATION_CONFIG_KEY
-"""Attribute of the drafter's ``generation_config`` (and key of ``generation_config.json``) holding the policy."""
 HOOK_SOURCE = Path(_custom_generate_module.__file__)
 """``ppow_trl/custom_generate/generate.py``: the file ``write_assistant_files`` copies into drafter folders."""
 
-# Keyword arguments of `load_assistant` that also locate the policy and cost model files on the Hub.
-_HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download")
-
-
-def _check_policy(policy) -> AdaptiveWindowPolicy:
-    if not isinstance(policy, AdaptiveWindowPolicy):
-        raise ValueError(f"policy must be an AdaptiveWindowPolicy, got {type(policy).__name__}.")
-    return policy
-
-
-def policy_dict(policy: AdaptiveWindowPolicy) -> dict:
-    """What the hook reads from ``generation_config.ppow_window_policy``: the policy minus ``calibration`` (it
-    stays in ``ppow_window_policy.json``), ``{"max_window": K, "threshold": h, "confidence_temperature": T_c}``."""
-    data = asdict(_check_policy(policy))
-    data.pop("calibration", None)
-    if data.get("guard") is None:  # an unguarded policy writes the same generation config as before the guard
-        data.pop("guard", None)
-    return data
-
-
-def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy, vocab_size: int | None = None):
-    """Set a drafter's ``generation_config`` for HF's assisted generation with our rule; returns it.
-
-    ``num_assistant_tokens = K`` (HF drafts at most this many; with a guard, a ``WindowBudget`` that reads 0 while the
-    guard pauses, see ``ppow_trl.custom_generate.generate``), ``num_assistant_tokens_schedule = "constant"``
-    (HF never changes K), ``assistant_confidence_threshold = 0`` (HF's per-token rule and its re-tuning are
-    off), and ``ppow_window_policy = policy_dict(policy)`` (``K``, ``h``, ``T_c``; read by the hook), plus
-    ``vocab_size`` when given (the tokenizer's length: confidences over those scores only, as in training).
-    """
-    policy = _check_policy(policy)
-    guard = policy.new_guard()
-    # K = 0: HF's loop asks for no candidate, every round is a plain target step. A guarded drafter gets a live
-    # budget (K, or 0 while the guard pauses; it is written as K).
-    generation_config.num_assistant_tokens = policy.max_window if guard is None else WindowBudget(policy.max_window,
-                                                                                                  guard)
-    generation_config.num_assistant_tokens_schedule = "constant"
-    generation_config.assistant_confidence_threshold = 0.0
-    data = policy_dict(policy)
-    if vocab_size is None:  # keep what the config already says (e.g. re-saving a loaded drafter)
-        vocab_size = (getattr(generation_config, GENERATION_CONFIG_KEY, None) or {}).get("vocab_size")
-    if vocab_size is not None:
-        data["vocab_size"] = int(vocab_size)
-    setattr(generation_config, GENERATION_CONFIG_KEY, data)
-    return generation_config
-
-
-def attach_window_policy(drafter, policy: AdaptiveWindowPolicy, vocab_size: int | None = None):
-    """In memory, without saving: make ``drafter`` apply ``policy`` as an HF assistant; returns ``drafter``.
-
-    Sets its generation config (``configure_generation_config``) and replaces its ``generate`` with
-    ``functools.partial(ppow_trl.custom_generate.generate.generate, model=drafter)``: the same code a folder's
-    ``custom_generate/generate.py`` holds, installed as ``from_pretrained(trust_remote_code=True)`` would.
-    """
-    if _is_peft_model(drafter):
-        raise ValueError(_PEFT_MESSAGE)
-    configure_generation_config(drafter.generation_config, policy, vocab_size)
-    drafter.generate = functools.partial(_hook_generate, model=drafter)
-    return drafter
-
-
-def _is_peft_model(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # peft is optional
-        return False
-    return isinstance(model, PeftModel)
-
-
-_PEFT_MESSAGE = (
-    "A PEFT adapter cannot carry the window hook: HF loads an adapter through its base model's folder, so neither "
-    "custom_generate/generate.py nor the generation config of the adapter folder is used. Merge the adapter first "
-    "(`drafter = peft_model.merge_and_unload()`) and save the merged drafter with ppow_trl.assisted.save_assistant."
-)
 
 
 def save_assistant(
@@ -200,42 +130,35 @@ def save_assistant(
     ``PPOWDrafterForCausalLM``). A PEFT model is refused: merge it first (``merge_and_unload()``).
     Returns the folder as a ``Path``.
     """
-    from .drafting import drafter_family
-
     policy = _check_policy(policy)
-    if _is_peft_model(drafter):
-        raise ValueError(_PEFT_MESSAGE)
+    if is_peft_model(drafter):
+        raise ValueError(PEFT_ASSISTANT_MESSAGE)
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}.")
     folder = Path(folder)
-    if drafter_family(drafter) == "block":
-        # transformers' own DFlash layout: weights, config, policy, cost model, and a generation config recording
-        # the vocabulary; no hook file (the native route's window is installed by load_assistant(target=)).
-        drafter.save_pretrained(folder)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-        policy.save_pretrained(folder)
-        if cost_model is not None:
-            cost_model.save_pretrained(folder)
-        _update_generation_config(folder, policy, None if tokenizer is None else len(tokenizer))
-        return folder
-    configure_generation_config(drafter.generation_config, policy, None if tokenizer is None else len(tokenizer))
+    family = family_of(drafter)
+    vocab_size = None if tokenizer is None else len(tokenizer)
+    if family.writes_hook_file:
+        configure_generation_config(drafter.generation_config, policy, vocab_size)
+    # A family with its own native route (DFlash: transformers' layout) gets no hook file: its window is installed
+    # by load_assistant(target=) through the family's attach.
     drafter.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    write_assistant_files(folder, policy, cost_model, None if tokenizer is None else len(tokenizer))
+    write_assistant_files(folder, policy, cost_model, vocab_size, hook=family.writes_hook_file)
     return folder
 
 
 def write_assistant_files(folder, policy: AdaptiveWindowPolicy, cost_model: CostModel | None = None,
-                          vocab_size: int | None = None) -> Path:
+                          vocab_size: int | None = None, *, hook: bool = True) -> Path:
     """Write everything ``save_assistant`` writes except the weights, config and tokenizer; returns the folder.
 
     ``ppow_window_policy.json``, ``ppow_cost_model.json`` (if ``cost_model``), ``custom_generate/generate.py``
     (a byte-identical copy of ``ppow_trl/custom_generate/generate.py``) and, when the folder holds a model
     (``generation_config.json`` or ``config.json``), its ``generation_config.json`` updated by
     ``configure_generation_config``. An adapter-only folder (PEFT) gets no generation config: it is not read
-    from there (see the module docstring; merge first).
+    from there (see the module docstring; merge first). ``hook=False`` (a family with a native route of its own,
+    ``DrafterFamily.writes_hook_file``): no ``custom_generate/`` file.
     """
     policy = _check_policy(policy)
     folder = Path(folder)
@@ -243,9 +166,10 @@ def write_assistant_files(folder, policy: AdaptiveWindowPolicy, cost_model: Cost
     policy.save_pretrained(folder)
     if cost_model is not None:
         cost_model.save_pretrained(folder)
-    hook = folder / CUSTOM_GENERATE_FILE
-    hook.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(HOOK_SOURCE, hook)
+    if hook:
+        path = folder / CUSTOM_GENERATE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(HOOK_SOURCE, path)
     _update_generation_config(folder, policy, vocab_size)
     _write_modeling_file(folder)
     return folder
@@ -330,9 +254,8 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, target=No
     (``ppow_trl.dflash``) needs ``target=`` too and is called with ``speculation_type="dflash"``; its window rule is
     a hook on the drafter (``ppow_trl.dflash.assisted``).
     """
-    from transformers import AutoModelForCausalLM
 
-    hub_kwargs = {name: from_pretrained_kwargs[name] for name in _HUB_KWARGS if name in from_pretrained_kwargs}
+    hub_kwargs = {name: from_pretrained_kwargs[name] for name in HUB_KWARGS if name in from_pretrained_kwargs}
     folder = Path(folder_or_repo)
     local = folder.is_dir()
     if not local and not _looks_like_repo_id(folder_or_repo):
@@ -341,7 +264,7 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, target=No
             "save_assistant or the id of a Hub repo holding one."
         )
     if local and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
-        raise ValueError(f"{folder} holds a PEFT adapter. " + _PEFT_MESSAGE)
+        raise ValueError(f"{folder} holds a PEFT adapter. " + PEFT_ASSISTANT_MESSAGE)
     try:
         policy = AdaptiveWindowPolicy.from_pretrained(folder_or_repo, **hub_kwargs)
     except FileNotFoundError as error:
@@ -351,39 +274,12 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, target=No
             "save_assistant(drafter, folder, policy=AdaptiveWindowPolicy(max_window=K, threshold=h))."
         ) from error
     source = str(folder) if local else str(folder_or_repo)
-    from .dflash.assisted import attach_block_window, is_block_folder, load_block_drafter
-
-    if local and is_block_folder(folder):  # a DFlash drafter: transformers' class, the target's head
-        if target is None:
-            raise ValueError(f"{folder_or_repo} holds a DFlash block drafter: pass load_assistant(folder, target=target) "
-                             "so its window rule can read the target's head.")
-        drafter = load_block_drafter(source, **from_pretrained_kwargs)
-        attach_block_window(drafter, target, policy, _saved_vocab_size(source, hub_kwargs))
-        return drafter
-    drafter = AutoModelForCausalLM.from_pretrained(
-        source, trust_remote_code=bool(trust_remote_code), **from_pretrained_kwargs
-    )
-    if getattr(drafter, "_hf_peft_config_loaded", False):
-        raise ValueError(f"{folder_or_repo} holds a PEFT adapter. " + _PEFT_MESSAGE)
-    vocab_size = _saved_vocab_size(source, hub_kwargs)
-    from .drafting import reads_target_features
-
-    if reads_target_features(drafter):
-        if target is None:
-            raise ValueError(f"{folder_or_repo} holds a drafter that reads the target's hidden states: pass "
-                             "load_assistant(folder, target=target) so it can hook the target.")
-        from .eagle3.assisted import attach_to_target
-
-        attach_to_target(drafter, target, policy, vocab_size)
-        return drafter
-    if not trust_remote_code:
-        return attach_window_policy(drafter, policy, vocab_size)
-    configure_generation_config(drafter.generation_config, policy, vocab_size)
-    if not isinstance(drafter.__dict__.get("generate"), functools.partial):
-        # transformers skipped the folder's hook (generation_config= was passed, or a folder written before
-        # custom_generate existed): install the same code in memory.
-        drafter.generate = functools.partial(_hook_generate, model=drafter)
-    return drafter
+    family, _ = detect_family(source, **hub_kwargs)  # a local folder or a Hub id, every registered layout
+    if family.reads_target and target is None:  # refused before any weight is loaded
+        raise ValueError(f"{folder_or_repo} holds a {family.description}: pass load_assistant(folder, "
+                         "target=target) so it can read the target.")
+    drafter = family.load(source, target=target, trust_remote_code=trust_remote_code, **from_pretrained_kwargs)
+    return family.attach(drafter, target, policy, _saved_vocab_size(source, hub_kwargs))
 
 
 def _saved_vocab_size(source: str, hub_kwargs: dict) -> int | None:

@@ -98,3 +98,12 @@ def prefill_contexts(model, contexts, pad_id, num_samples_per_context):
         cache.batch_repeat_interleave(num_samples_per_context)
         logits, mask, positions = (t.repeat_interleave(num_samples_per_context, dim=0) for t in (logits, mask, positions))
     return logits, cache, mask, positions[:, -1:]
+
+
+def shift_rows(rows: torch.Tensor, shift: int) -> torch.Tensor:
+    """``rows[shift:]`` padded with zero rows at the end to the same length (slot ``k`` of teacher-forced windows
+    of a drafter whose state is the text itself: row ``s + k`` of one pass)."""
+    out = torch.zeros_like(rows)
+    if shift < rows.shape[0]:
+        out[: rows.shape[0] - shift] = rows[shift:]
+    return out

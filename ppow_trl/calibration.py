@@ -3,7 +3,7 @@
 ``calibrate_policy`` drafts windows of ``K_max`` tokens after held-out contexts (threshold 0, so every
 shorter window the rule could pick is a prefix of the drafted one), verifies them with the target in the
 regime the policy will be served in, and picks the ``(K, h)`` that maximises the cost-model speedup
-``sum_n (E[A_n] + 1) t_t / sum_n (L_n t_d + t_v(L_n))`` (``windowing.calibrate_window_policy``):
+``sum_n (E[A_n] + 1) t_t / sum_n (L_n t_d + t_v(L_n))`` (``windowing.search_window_grid``):
 
 - ``"greedy"``: greedy drafting, greedy verification (``P(A >= k)`` is 0/1; exact, since a greedy window
   cut to ``L`` tokens is what the rule would have drafted);
@@ -21,9 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from .cost import CostModel
-from .rollout import draft_windows, target_window_probs
-from .verification import window_prefix_acceptance
-from .windowing import AdaptiveWindowPolicy, calibrate_window_policy, policy_speedup
+from .rollout import verify_windows
+from .windowing import AdaptiveWindowPolicy, expected_accepted_within, policy_speedup, search_window_grid
 
 REGIMES = ("greedy", "sampling", "both")
 DEFAULT_THRESHOLDS = tuple(i / 20 for i in range(20))
@@ -80,16 +79,11 @@ def calibration_rollouts(
     confidences, prefixes = [], []
     for start in range(0, len(contexts), batch_size):
         chunk = contexts[start : start + batch_size]
-        drafted = draft_windows(drafter, chunk, full, pad_id=pad_id, temperature=0.0 if greedy else temperature,
-                                vocab_size=vocab_size, generator=generator, target=target)
-        p = target_window_probs(target, chunk, drafted.window_ids, pad_id=pad_id,
-                                temperature=0.0 if greedy else temperature, vocab_size=vocab_size)
-        p = p.to(drafted.drafter_probs.device)
-        prefix = window_prefix_acceptance(drafted.window_ids, p, drafted.drafter_probs, drafted.window_mask,
-                                          greedy=greedy)
+        verified = verify_windows(target, drafter, chunk, full, greedy=greedy, temperature=0.0 if greedy else temperature,
+                                  pad_id=pad_id, vocab_size=vocab_size, generator=generator)
         # Rows of a batch stop together only when all stopped: with h = 0 every row drafts K tokens.
-        confidences.append(drafted.confidences.float().cpu())
-        prefixes.append(prefix.float().cpu())
+        confidences.append(verified.drafted.confidences.float().cpu())
+        prefixes.append(verified.prefix.float().cpu())
     return torch.cat(confidences), torch.cat(prefixes)
 
 
@@ -135,7 +129,7 @@ def calibrate_policy(
                                    batch_size=batch_size, seed=seed)
         for name in regimes
     }
-    grids = {name: calibrate_window_policy(conf, prefix, cost_model, thresholds=thresholds, max_windows=max_windows,
+    grids = {name: search_window_grid(conf, prefix, cost_model, thresholds=thresholds, max_windows=max_windows,
                                            confidence_temperature=confidence_temperature,
                                            allow_no_speculation=allow_no_speculation)[1]
              for name, (conf, prefix) in rollouts.items()}
@@ -146,9 +140,7 @@ def calibrate_policy(
     policy = AdaptiveWindowPolicy(chosen["max_window"], chosen["threshold"], confidence_temperature)
     expected = {}
     for name, (conf, prefix) in rollouts.items():
-        lengths = policy.window_lengths(conf)
-        keep = torch.arange(prefix.shape[1]) < lengths.unsqueeze(-1)
-        expected[name] = float((prefix * keep).sum(-1).mean())
+        expected[name] = float(expected_accepted_within(prefix, policy.window_lengths(conf)).mean())
     lengths = policy.window_lengths(rollouts[regimes[0]][0])
     if guard is not None and policy.max_window > 0:
         policy.guard = {**guard, "break_even_tokens": float(cost_model.round_time(lengths).mean())}

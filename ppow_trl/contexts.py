@@ -19,7 +19,7 @@ import torch
 from datasets import Dataset
 
 from .batching import left_pad, positions_from_mask
-from .drafting import target_layer_ids
+from .drafting import family_of, target_layer_ids
 from .windowing import divergence_scores
 
 SELECTOR_STATE_FILE = "ppow_context_selector.pt"
@@ -113,37 +113,25 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _response_probs(model, ids, mask, positions, keep: int, vocab_size: int, temperature: float,
-                    feature_layers=None, features=None, target=None):
-    """Distributions at the last ``keep - 1`` scoring positions of a left-padded batch. ``(B, keep - 1, V)``, and
-    the model's hidden states at ``feature_layers`` (``None`` without). A drafter reading the target's features
-    gets ``features`` (``(B, T, F)``, the target's) and scores pairs ``(h_j, s_{j+1})``: its column ``j`` predicts
-    what the target's column ``j + 1`` does, so the same last ``keep`` columns line up. A block drafter
-    (``ppow_trl.dflash``, with ``target`` for its embedding and head) gives at column ``j`` slot 1 of the block
-    anchored there: the first token of a window drafted after ``ids[:j + 1]``."""
-    from .dflash import anchored_block_hidden
-    from .drafting import drafter_family
-    from .eagle3 import target_forward
+def _response_probs(target, drafter, ids, mask, positions, keep: int, vocab_size: int, target_temperature: float,
+                    drafter_temperature: float, layer_ids=None):
+    """``(p, q)`` at the last ``keep - 1`` scoring positions of a left-padded batch, ``(B, keep - 1, V)`` each: the
+    target's next-token distributions and the drafter's first window token after each prefix (its family's
+    ``response_distributions``). The target's forward also gives the features a feature-conditioned drafter reads
+    (``layer_ids``), so no second target pass runs."""
+    from .features import target_forward
     from .verification import probabilities_from_logits
 
-    device = _model_device(model)
-    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
-    if features is not None and drafter_family(model) == "block":
-        columns = torch.arange(ids.shape[1] - keep, ids.shape[1] - 1, device=device)
-        hidden = anchored_block_hidden(model, target.get_input_embeddings(), features.to(device), ids[:, columns],
-                                       positions[:, columns], context_valid=mask.bool(), context_positions=positions)
-        head = target.get_output_embeddings()
-        logits = head(hidden[:, :, 1].to(head.weight.dtype))
-        return probabilities_from_logits(logits[..., :vocab_size], temperature), None
-    if features is not None:
-        out = model(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1].to(device), attention_mask=mask[:, 1:],
-                    position_ids=positions_from_mask(mask[:, 1:]), logits_to_keep=keep)
-        found = None
-    else:
-        out, found = target_forward(model, feature_layers, input_ids=ids, attention_mask=mask, position_ids=positions,
-                                    logits_to_keep=keep, use_cache=False)
+    device = _model_device(target)
+    out, features = target_forward(target, layer_ids, input_ids=ids.to(device), attention_mask=mask.to(device),
+                                   position_ids=positions.to(device), logits_to_keep=keep, use_cache=False)
     # logits_to_keep keeps the last `keep` positions; the very last one predicts past the sequence's end.
-    return probabilities_from_logits(out.logits[:, -keep:-1, :vocab_size], temperature), found
+    p = probabilities_from_logits(out.logits[:, -keep:-1, :vocab_size], target_temperature)
+    device = _model_device(drafter)
+    logits, _ = family_of(drafter).response_distributions(drafter, ids.to(device), mask.to(device),
+                                                          positions.to(device), keep, target=target,
+                                                          features=features)
+    return p, probabilities_from_logits(logits[..., :vocab_size], drafter_temperature)
 
 
 @torch.no_grad()
@@ -180,9 +168,8 @@ def score_sequences(target, drafter, sequences, prompt_lengths, *, vocab_size: i
         keep = max(responses[i] for i in batch) + 1
         ids, mask = left_pad([sequences[i] for i in batch], pad_id)
         positions = positions_from_mask(mask)
-        p, features = _response_probs(target, ids, mask, positions, keep, vocab_size, target_temperature, layer_ids)
-        q, _ = _response_probs(drafter, ids, mask, positions, keep, vocab_size, drafter_temperature, features=features,
-                               target=target)
+        p, q = _response_probs(target, drafter, ids, mask, positions, keep, vocab_size, target_temperature,
+                               drafter_temperature, layer_ids)
         p = p.to(device)
         rows = divergence_scores(p, q, kind=kind)  # (B, keep - 1): sequence i's response is its last T_i columns
         for row, i in enumerate(batch):

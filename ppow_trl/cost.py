@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .drafting import family_of
+from .features import context_features
 from .utils import crop_cache, load_json, save_json
 
 COST_MODEL_FILE = "ppow_cost_model.json"
@@ -138,43 +140,15 @@ def _cached_step(model, context_ids: torch.Tensor, num_new: int):
 
 
 def _drafter_step(drafter, target, context_ids: torch.Tensor):
-    """A callable running one drafting step (one token after ``context_ids``) through the drafter's session, which
-    is what the loops run: a standalone drafter's one-token forward, or a chain drafter's step on its own hidden
-    state (``ppow_trl.drafting``); the state is put back after each step."""
-    from .drafting import BlockSession, drafting_session
-    from .eagle3 import context_features
-
-    session = drafting_session(drafter, target)
-    context = context_ids[0].to(next(drafter.parameters()).device)
-    features = None
-    if session.target_layer_ids is not None:
-        features = context_features(target, [context_ids[0]], session.target_layer_ids)
-    if isinstance(session, BlockSession):
-        return _block_round(session, context.tolist(), features[0])
-    session.prefill([context], features=features)
-    length, mask, positions = session.cache.get_seq_length(), session.mask, session.positions
-    token = context[-1:]
-
-    def step():
-        session.step(token)
-        crop_cache(session.cache, length)  # back to the shared context: every repeat times the same step
-        session.mask, session.positions = mask, positions
-
-    return step
-
-
-def _block_round(session, sequence: list[int], features: torch.Tensor):
-    """A callable running one block drafter round as generation does (``BlockSession.extend``): the features of
-    one newly verified position read into the cached context, then the block; the state is put back each time."""
-    session.extend(sequence[:-1], features=features[:-2])
-    start, last = session.context, features[-2:-1]
-
-    def step():
-        crop_cache(session.cache, start)
-        session.context, session.features = start, [last]
-        session.extend(sequence)
-
-    return step
+    """A callable running the unit the cost model charges as the loops run it: one drafted token (a standalone
+    drafter's one-token forward, a chain drafter's step on its own hidden state) or one round (a block drafter),
+    through the drafter's session (``DraftingSession.timed_step``); the state is put back after each call."""
+    family = family_of(drafter)
+    session = family.session(drafter, target)
+    context = context_ids[0].tolist()
+    layer_ids = family.target_layer_ids(drafter)
+    features = None if layer_ids is None else context_features(target, [context_ids[0]], layer_ids)[0]
+    return session.timed_step(context, features)
 
 
 def calibrate_cost_model(
@@ -197,18 +171,13 @@ def calibrate_cost_model(
     block, head included), and the model is marked ``drafter_per_round``. Time the models in the dtype and device
     you will decode with.
     """
-    from .drafting import drafter_family
-
     if max_window < 1:
         raise ValueError(f"max_window must be >= 1, got {max_window}.")
     device = next(target.parameters()).device
     if context_ids is None:
         generator = torch.Generator().manual_seed(seed)
         # Any token ids both models can embed (a reduced-vocabulary drafter still embeds the full vocabulary).
-        # a block drafter embeds with the target's embedding
-        embeddings = None if drafter_family(drafter) == "block" else drafter.get_input_embeddings()
-        vocab = target.get_input_embeddings().num_embeddings
-        vocab = vocab if embeddings is None else min(vocab, embeddings.num_embeddings)
+        vocab = min(target.get_input_embeddings().num_embeddings, family_of(drafter).input_vocab_size(drafter, target))
         context_ids = torch.randint(0, vocab, (1, context_length), generator=generator)
     context_ids = context_ids.to(device)
     with torch.inference_mode():
@@ -220,9 +189,14 @@ def calibrate_cost_model(
     description = (
         f"{platform.machine()} {device.type} torch {torch.__version__} threads {torch.get_num_threads()}; "
         f"target {target.config._name_or_path or target.config.model_type} {next(target.parameters()).dtype}; "
-        f"drafter {drafter.config._name_or_path or drafter.config.model_type}; context {context_ids.shape[1]} tokens; "
+        f"drafter {_model_name(drafter)}; context {context_ids.shape[1]} tokens; "
         f"median of {repeats}"
     )
     model = CostModel.from_seconds(verify[0], drafter_step, verify, description=description)
-    model.drafter_per_round = drafter_family(drafter) == "block"
+    model.drafter_per_round = family_of(drafter).cost_per_round
     return model
+
+
+def _model_name(model) -> str:
+    config = getattr(model, "config", None)
+    return (getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")) or type(model).__name__

@@ -1,451 +1,285 @@
-"""One drafter interface for every loop: generation, rollouts, exact greedy tau and the benchmark.
+"""The drafter interface every loop uses, and the registry of drafter families: the protocol, nothing else.
 
-A drafting session holds one drafter's state over committed sequences and answers the same few calls whatever
+A **drafter family** (``DrafterFamily``) is one kind of drafter: how to recognise it (a model in memory, a folder
+or a Hub id), build it from a target, load and save it in every layout it knows, draft with it (its
+``DraftingSession``), train it (the PEFT task type, the differentiable ``window_hidden`` the PPOW loss uses, the
+KD rows and the context scoring), what its cost model charges (per drafted token or per round) and how it joins
+``target.generate(assistant_model=...)``. Callers ask ``family_of(drafter)`` or ``get_family(name)`` and never
+branch on a family's name: a new family is one module plus one line in ``FAMILIES``.
+
+Families (``FAMILIES``): ``standalone`` (any causal LM over the target's vocabulary, ``ppow_trl.standalone``),
+``eagle3`` (heads reading the target's hidden states, ``ppow_trl.eagle3``), ``dflash`` (block drafters,
+``ppow_trl.dflash``), ``prompt_lookup`` (n-gram drafting from the text itself, ``ppow_trl.prompt_lookup``).
+The registry names each by ``"module:Class"`` and imports it on first use, like a package entry point, so this
+bottom-layer module imports no family and no family imports another (the import-linter contracts in
+``setup.cfg`` check both).
+
+A **drafting session** holds one drafter's state over committed sequences and answers the same calls whatever
 the family:
 
-- ``prefill(contexts, ...)``: the drafter's next-token logits after a batch of contexts (left-padded, shared by
-  ``G`` samples each), for rollouts;
-- ``extend(sequence)``: catch up on the committed tokens it has not seen (one sequence), for generation;
+- ``prefill(contexts, pad_id, num_samples, features)``: the drafter's next-token logits after a batch of contexts
+  (left-padded, shared by ``G`` samples each), for rollouts;
+- ``extend(sequence, features)``: catch up on the committed tokens it has not seen (one sequence), for generation;
+  ``add_features(features)``: the target features of newly committed positions;
 - ``step(tokens)``: append one drafted token per row, giving the logits of the next one;
 - ``rollback(valid_length)``: forget what lies beyond the verified prefix after a round;
-- ``teacher_forced_windows(...)``: the proposals and confidences of a window started after every prefix of a
-  known text (exact greedy tau, without running the loop).
+- ``teacher_forced_logits(prompt, text, max_window, features)``: the proposals of a window started after every
+  prefix of a known text (exact greedy tau, without running the loop);
+- ``timed_step(context, features)``: a callable running one unit the cost model charges (a drafted token, or a
+  round for a block drafter), state put back after each call (``ppow_trl.cost``);
+- ``forwards``: drafter forwards run so far; ``target_layer_ids``: the target features it reads (``None``: none);
+  ``max_window``: the most tokens it drafts per round (``None``: no limit).
 
-Families:
-
-- standalone (``StandaloneSession``): any causal LM over the target's vocabulary (a truncated target, a small LM,
-  ``PPOWDrafterForCausalLM``). Its state is its KV cache.
-- feature-conditioned chains (``ChainSession``, ``ppow_trl.eagle3``): the drafter reads the target's hidden states
-  at ``target_layer_ids``. The loops hand it the features of every committed token from the target forward that
-  verified it (``target_layer_ids`` tells them which to capture: ``ppow_trl.eagle3.target_forward``), so no
-  second target pass runs in generation. Pair ``j`` is ``(h_j, s_{j+1})``; after drafting it feeds back its own
-  output in place of the target's features; after verification only the real pairs are kept and the accepted
-  tokens' features are appended.
-
-- block drafters (``BlockSession``, ``ppow_trl.dflash``): one forward drafts a whole block from the target's
-  features of the committed tokens before the anchor (the last committed token). ``prefill``/``extend`` run it
-  and return slot 1's logits; ``step`` runs nothing and returns the next slot's (slot ``k``'s distribution does
-  not depend on the drafted ``y_<k``). So the loops are the same; ``session.forwards`` counts real drafter
-  forwards (one per round for blocks, one per token for the others), which is what the cost model charges.
+tau everywhere is tokens generated per target forward pass, including the bonus token (EAGLE's convention).
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DFlashCache
 
-from .batching import left_pad, positions_from_mask, prefill_contexts
-from .dflash.modeling import anchored_block_hidden, check_target as check_block_target, is_block_drafter
-from .dflash.configuration import hidden_state_indices
-from .eagle3 import Eagle3DrafterForCausalLM, target_forward
-from .utils import crop_cache
+from .utils import unwrap_model
 
+FAMILIES: dict[str, str] = {
+    "eagle3": "ppow_trl.eagle3.family:Eagle3Family",
+    "dflash": "ppow_trl.dflash.family:DFlashFamily",
+    "prompt_lookup": "ppow_trl.prompt_lookup:PromptLookupFamily",
+    "standalone": "ppow_trl.standalone:StandaloneFamily",  # last: any causal LM, the fallback of family_of
+}
+"""Registered families, ``name -> "module:Class"``, in the order ``family_of`` asks them (``register_family``)."""
 
-def base_drafter(model):
-    """The model under PEFT / DDP wrappers (what decides the family)."""
-    while True:
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-            model = model.module
-        else:
-            return model
+_LOADED: dict[str, "DrafterFamily"] = {}
 
 
-def drafter_family(drafter) -> str:
-    """``"standalone"``, ``"chain"`` (EAGLE-3, ``ppow_trl.eagle3``) or ``"block"`` (DFlash, ``ppow_trl.dflash``)."""
-    model = base_drafter(drafter)
-    if isinstance(model, Eagle3DrafterForCausalLM):
-        return "chain"
-    return "block" if is_block_drafter(model) else "standalone"
+@runtime_checkable
+class DraftingSession(Protocol):
+    """One drafter's state over committed sequences (module docstring)."""
+
+    forwards: int
+    target_layer_ids: list[int] | None
+    max_window: int | None
+
+    def prefill(self, contexts: list[torch.Tensor], pad_id: int = 0, num_samples: int = 1,
+                features: list[torch.Tensor] | None = None) -> torch.Tensor: ...
+
+    def extend(self, sequence: list[int], features: torch.Tensor | None = None) -> torch.Tensor | None: ...
+
+    def add_features(self, features: torch.Tensor | None) -> None: ...
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def rollback(self, valid_length: int) -> None: ...
+
+    def teacher_forced_logits(self, prompt: list[int], text: list[int], max_window: int,
+                              features: torch.Tensor | None = None): ...
+
+    def timed_step(self, context: list[int], features: torch.Tensor | None): ...
 
 
-def reads_target_features(drafter) -> bool:
-    """Whether ``drafter`` conditions on the target's hidden states (the chain and block families)."""
-    return drafter_family(drafter) != "standalone"
+class DrafterFamily:
+    """One kind of drafter (module docstring). Subclasses set the attributes and implement the methods they need;
+    the defaults describe a trainable per-token drafter that reads no target features.
+
+    Attributes:
+        name: the registry name (``FAMILIES``), also the recipe's ``drafter_type`` and the study's family column.
+        description: a few words for logs and tables.
+        peft_task_type: PEFT's ``task_type`` for a LoRA on this drafter (``None``: PEFT's plain wrapper).
+        cost_per_round: the cost model charges ``t_d`` once per round (one forward drafts the window), not per token.
+        trainable: KD and PPOW can train it (a family without parameters is only evaluated).
+        hf_methods: which of the benchmark's HF-native assistant schedules can run it (``None``: all of them; it
+            is a causal LM HF can call), the others run it through ``ppow_trl``'s loop and hook.
+        export_formats: the layouts ``export`` writes besides ``save_pretrained``.
+        reads_target: the drafter drafts from the target's hidden states or modules: sessions, serving and the
+            cost model need ``target``.
+        runs_on_target: the drafter computes with the target's own modules (embedding, head), so it cannot draft,
+            train or be scored without ``target``.
+        reduced_head: the drafter can have a reduced-vocabulary head (``draft_vocab_ids`` of ``build``).
+        hf_generate_kwargs: extra ``target.generate`` arguments of the family's own route in transformers (DFlash:
+            ``speculation_type="dflash"``); empty for drafters HF calls as assistant causal LMs.
+        writes_hook_file: ``save_assistant`` copies ``custom_generate/generate.py`` into its folders (HF calls the
+            drafter's ``generate`` as an assistant); a family with its own native route does not.
+    """
+
+    name: str = ""
+    description: str = ""
+    peft_task_type: str | None = "CAUSAL_LM"
+    cost_per_round: bool = False
+    trainable: bool = True
+    hf_methods: tuple[str, ...] | None = None
+    export_formats: tuple[str, ...] = ()
+    writes_hook_file: bool = True
+    reduced_head: bool = True
+    hf_generate_kwargs: dict = {}
+    reads_target: bool = False
+    runs_on_target: bool = False
+
+    # -- recognising -------------------------------------------------------------------------------------
+    def owns(self, model) -> bool:
+        """Whether ``model`` (unwrapped) is a drafter of this family."""
+        raise NotImplementedError
+
+    def detect(self, folder_or_repo, **hub_kwargs) -> str | None:
+        """The layout of this family's drafter in a folder or Hub repo (e.g. ``"transformers"``), else ``None``."""
+        return None
+
+    # -- building, loading, saving ------------------------------------------------------------------------
+    def build(self, target, tokenizer=None, *, draft_vocab_ids=None, seed: int | None = 0,
+              target_name_or_path: str | None = None, **options):
+        """A new drafter for ``target`` (``options``: the family's own, e.g. ``num_layers``)."""
+        raise NotImplementedError(f"The {self.name} family builds no drafter from a target.")
+
+    def load(self, folder_or_repo, *, target=None, **from_pretrained_kwargs):
+        """The drafter saved in a folder or Hub repo, in any layout ``detect`` recognises, ready to train (its
+        trainable parameters require grad, as after ``build``)."""
+        raise NotImplementedError
+
+    def export(self, drafter, folder, *, format: str, target=None):
+        """Write ``drafter`` in another engine's layout (``export_formats``)."""
+        raise ValueError(f"The {self.name} family exports no other layout (export_format must be unset).")
+
+    def check_export_format(self, format: str | None) -> None:
+        """Refuse an export layout this family does not write, before any work starts."""
+        if format is not None and format not in self.export_formats:
+            raise ValueError(f"export_format {format!r} does not apply to {self.name} drafters (allowed: "
+                             f"{list(self.export_formats) or 'none'}).")
+
+    # -- drafting -----------------------------------------------------------------------------------------
+    def session(self, drafter, target=None) -> DraftingSession:
+        """A new drafting session (``target``: the model whose features or head the drafter reads)."""
+        raise NotImplementedError
+
+    def target_layer_ids(self, drafter) -> list[int] | None:
+        """The target ``output_hidden_states`` indices the drafter reads; ``None`` when it reads none."""
+        return None
+
+    def check_target(self, drafter, target) -> None:
+        """Refuse a target other than the one the drafter reads, saying what differs."""
+
+    def input_vocab_size(self, drafter, target) -> int:
+        """How many token ids the drafter can read (what ``check_compatibility`` and the cost model's random
+        contexts need)."""
+        return drafter.get_input_embeddings().num_embeddings
+
+    def describe(self, drafter) -> str:
+        """One line for logs and model cards."""
+        return f"{type(unwrap_model(drafter)).__name__} ({self.description})"
+
+    # -- training -----------------------------------------------------------------------------------------
+    def prepare_for_training(self, drafter, target=None) -> None:
+        """Called by the trainers once before training (e.g. a generation config TRL writes to)."""
+
+    def window_hidden(self, drafter, contexts: list[torch.Tensor], inverse: torch.Tensor, window_ids: torch.Tensor,
+                      *, target=None, features: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The states whose projection by ``output_head`` gives ``log q(y_i | c, y_<i)``, with gradients:
+        ``(B, C, H)`` for windows ``window_ids`` ``(B, C)`` drafted after ``contexts[inverse[b]]`` (each distinct
+        context computed once). The PPOW loss (``ppow_trl.window_logprobs``) calls it."""
+        raise NotImplementedError(f"The {self.name} family has no trainable loss path.")
+
+    def output_head(self, drafter, target=None) -> torch.nn.Module:
+        """The head applied to ``window_hidden``'s states (the drafter's own, or the target's)."""
+        return drafter.get_output_embeddings()
+
+    def kd_rows(self, model, inputs: dict, mask: torch.Tensor, args, target=None):
+        """KD's student rows: ``([(logits (N, C), teacher_mask (B, T))], model output)``, one pair per slot
+        (``ppow_trl.kd_trainer``)."""
+        raise NotImplementedError(f"The {self.name} family has no KD objective.")
+
+    def kd_slot_weights(self, args, num_slots: int) -> list[float] | None:
+        """Per-slot loss weights of ``kd_rows`` (``None``: one slot, token-weighted like a causal LM)."""
+        return None
+
+    def response_distributions(self, model, ids, mask, positions, keep: int, *, target=None, features=None,
+                               feature_layers=None):
+        """Logits at the last ``keep`` columns of a left-padded batch (column ``j``: the first token of a window
+        drafted after ``ids[:j + 1]``) and the hidden states at ``feature_layers`` when asked (context scoring,
+        ``ppow_trl.contexts``). Returns ``(logits (B, keep, V), features or None)``."""
+        raise NotImplementedError
+
+    # -- serving ------------------------------------------------------------------------------------------
+    def attach(self, drafter, target, policy, vocab_size: int | None = None):
+        """Make ``target.generate(..., assistant_model=drafter)`` apply ``policy``; returns the drafter."""
+        raise NotImplementedError
+
+    def detach(self, drafter) -> None:
+        """Undo ``attach``'s hooks on the target (a no-op where none were installed)."""
+
+
+def register_family(name: str, family: str | DrafterFamily, *, first: bool = True) -> None:
+    """Add a family: ``family`` is an instance or ``"module:Class"`` (imported on first use). ``first``: asked
+    before the others by ``family_of`` (the standalone fallback stays last)."""
+    _LOADED.pop(name, None)
+    if isinstance(family, DrafterFamily):
+        _LOADED[name] = family
+        family = f"{type(family).__module__}:{type(family).__name__}"
+    entries = {key: value for key, value in FAMILIES.items() if key != name}
+    FAMILIES.clear()
+    FAMILIES.update({name: family, **entries} if first else {**entries, name: family})
+
+
+def family_names() -> list[str]:
+    """The registered family names."""
+    return list(FAMILIES)
+
+
+def get_family(name: str) -> DrafterFamily:
+    """The family registered as ``name``."""
+    if name not in FAMILIES:
+        raise ValueError(f"Unknown drafter family {name!r}: registered are {family_names()} "
+                         "(ppow_trl.drafting.register_family adds one).")
+    if name not in _LOADED:
+        module, _, cls = FAMILIES[name].partition(":")
+        family = getattr(importlib.import_module(module), cls)()
+        family.name = family.name or name
+        _LOADED[name] = family
+    return _LOADED[name]
+
+
+def family_of(drafter: Any) -> DrafterFamily:
+    """The family of a drafter in memory (PEFT / DDP wrappers looked through)."""
+    model = unwrap_model(drafter)
+    for name in FAMILIES:
+        family = get_family(name)
+        if family.owns(model):
+            return family
+    raise ValueError(f"{type(model).__name__} belongs to no registered drafter family ({family_names()}).")
+
+
+def detect_family(folder_or_repo, **hub_kwargs) -> tuple[DrafterFamily, str]:
+    """``(family, layout)`` of the drafter in a local folder or Hub repo id (each family's ``detect``)."""
+    for name in FAMILIES:
+        family = get_family(name)
+        layout = family.detect(folder_or_repo, **hub_kwargs)
+        if layout:
+            return family, layout
+    raise ValueError(f"{folder_or_repo} holds no drafter any registered family recognises ({family_names()}).")
+
+
+def load_drafter(folder_or_repo, *, target=None, **from_pretrained_kwargs):
+    """The drafter in a folder or Hub repo, loaded by its family in whichever layout it was saved."""
+    family, _ = detect_family(folder_or_repo, **{k: v for k, v in from_pretrained_kwargs.items()
+                                                 if k in HUB_KWARGS})
+    return family.load(folder_or_repo, target=target, **from_pretrained_kwargs)
+
+
+HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download")
+"""Keyword arguments of a load that also locate single files of a Hub repo (``hf_hub_download``)."""
+
+
+def drafting_session(drafter, target=None) -> DraftingSession:
+    """The session of ``drafter``'s family (``target``: the model whose features or head it reads)."""
+    return family_of(drafter).session(drafter, target)
 
 
 def target_layer_ids(drafter) -> list[int] | None:
-    """The target ``output_hidden_states`` indices a feature-conditioned drafter reads (a DFlash config's decoder
-    layer ids plus one); ``None`` for standalone drafters."""
-    family = drafter_family(drafter)
-    if family == "standalone":
-        return None
-    config = base_drafter(drafter).config
-    return hidden_state_indices(config) if family == "block" else list(config.target_layer_ids)
+    """The target ``output_hidden_states`` indices ``drafter`` reads; ``None`` when it reads none."""
+    return family_of(drafter).target_layer_ids(unwrap_model(drafter))
 
 
-def drafting_session(drafter, target=None):
-    """The session for ``drafter``'s family. A feature-conditioned drafter checks ``target`` is the one it reads;
-    a block drafter needs it (the target's embedding and head are its own)."""
-    family = drafter_family(drafter)
-    if family == "block":
-        if target is None:
-            raise ValueError("A DFlash block drafter drafts with the target's embedding and output head: pass target=.")
-        check_block_target(base_drafter(drafter), target)
-        return BlockSession(drafter, target)
-    if family == "chain":
-        if target is not None:
-            base_drafter(drafter).check_target(target)
-        return ChainSession(drafter)
-    return StandaloneSession(drafter)
-
-
-def check_window(session, max_window: int) -> None:
+def check_window(session: DraftingSession, max_window: int) -> None:
     """Refuse a window longer than the drafter can propose per round (a block drafter's ``block_size - 1``)."""
     if session.max_window is not None and max_window > session.max_window:
-        raise ValueError(f"max_window (K) = {max_window}, but this block drafter proposes at most {session.max_window} "
-                         f"tokens per round (block_size - 1): use K <= {session.max_window}, or a drafter with "
-                         "a larger block_size.")
-
-
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def forward_at(model, tokens: list[int], cache, start: int, feature_layers: list[int] | None = None, **kwargs):
-    """Forward ``tokens`` (one sequence) at positions ``start..`` after a cache holding exactly ``start`` positions.
-
-    Returns ``(output, features)``: the model output (``cache`` set) and, with ``feature_layers``, the hidden
-    states a feature-conditioned drafter reads (``ppow_trl.eagle3.target_forward``), else ``None``. The loops'
-    single entry to a forward over one sequence: the target's verification and the standalone drafter's steps.
-    """
-    cached = 0 if cache is None else cache.get_seq_length()
-    if cached != start:  # an internal invariant: caches must hold exactly the committed prefix
-        raise RuntimeError(f"KV cache holds {cached} positions, expected {start}.")
-    device = _device(model)
-    if cache is None:
-        # Sliding-window (and other bounded) cache layers only allow rolling back after a rejection when
-        # they record past states, as transformers' own assisted decoding arranges.
-        cache = DynamicCache(config=model.config.get_text_config())
-        cache.activate_past_recording()
-    ids = torch.tensor([tokens], dtype=torch.long, device=device)
-    positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-    # No attention mask: one unpadded sequence attends to its whole cache, as in generate's decoding steps (which
-    # drop an all-ones mask). Timed in isolation, with or without a mask the SmolLM2 step costs the same.
-    return target_forward(model, feature_layers, input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
-                          **kwargs)
-
-
-def _shift_rows(rows: torch.Tensor, shift: int) -> torch.Tensor:
-    """``rows[shift:]`` padded with zero rows at the end to the same length."""
-    out = torch.zeros_like(rows)
-    if shift < rows.shape[0]:
-        out[: rows.shape[0] - shift] = rows[shift:]
-    return out
-
-
-class StandaloneSession:
-    """A causal LM drafting on its own: its state is its KV cache over the tokens it has read."""
-
-    target_layer_ids = None
-    max_window = None  # no limit on the window
-
-    def __init__(self, drafter):
-        self.drafter = drafter
-        self.cache = None
-        self.mask = self.positions = None
-        self.forwards = 0  # drafter forwards run (one per drafted token)
-
-    # one sequence ---------------------------------------------------------------------------------------
-    def seen(self) -> int:
-        return 0 if self.cache is None else self.cache.get_seq_length()
-
-    def extend(self, sequence: list[int], features: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Read the committed tokens not cached yet (at least the last one); logits of the next token ``(1, V)``."""
-        start = self.seen()
-        out, _ = forward_at(self.drafter, sequence[start:], self.cache, start, logits_to_keep=1)
-        self.forwards += 1
-        self.cache = out.cache
-        self.mask = torch.ones((1, len(sequence)), dtype=torch.long, device=out.logits.device)
-        self.positions = torch.full((1, 1), len(sequence) - 1, device=out.logits.device)
-        return out.logits[:, -1]
-
-    def add_features(self, features: torch.Tensor | None) -> None:
-        """Target features are not read by standalone drafters."""
-
-    def rollback(self, valid_length: int) -> None:
-        """Keep the cache of the first ``valid_length`` tokens of committed + drafted (the verified prefix)."""
-        if self.cache is not None:
-            crop_cache(self.cache, min(self.cache.get_seq_length(), valid_length))
-
-    # batches --------------------------------------------------------------------------------------------
-    def prefill(self, contexts: list[torch.Tensor], pad_id: int = 0, num_samples: int = 1,
-                features: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Next-token logits ``(len(contexts) * G, V)`` after each context, rows context by context."""
-        logits, self.cache, self.mask, self.positions = prefill_contexts(self.drafter, contexts, pad_id, num_samples)
-        self.forwards += 1
-        return logits
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append one drafted token per row ``(B,)``; logits of the next ``(B, V)``."""
-        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=-1)
-        self.positions = self.positions + 1
-        out = self.drafter(input_ids=tokens.view(-1, 1), attention_mask=self.mask, position_ids=self.positions,
-                           cache=self.cache, use_cache=True)
-        self.forwards += 1
-        self.cache = out.cache
-        return out.logits[:, -1]
-
-    # teacher-forced windows ------------------------------------------------------------------------------
-    def teacher_forced_logits(self, prompt: list[int], text: list[int], max_window: int,
-                              features: torch.Tensor | None = None):
-        """Yields ``(slot, logits (M, V))``: slot ``k`` (0-based) of a window started after ``prompt + text[:s]``
-        is row ``s``. A standalone drafter's state while its proposals match is ``prompt + text[:s + k]``, so slot
-        ``k`` of start ``s`` is the one teacher-forced pass's row ``s + k`` (rows past the text are never read)."""
-        out, _ = forward_at(self.drafter, prompt + text[:-1], None, 0, logits_to_keep=len(text))
-        logits = out.logits[0, -len(text):]
-        for slot in range(max_window):
-            yield slot, _shift_rows(logits, slot)
-
-
-class ChainSession:
-    """A feature-conditioned chain drafter (EAGLE-3): its KV cache over real pairs, the target features it has
-    not read yet, and the hidden state it feeds back while drafting."""
-
-    max_window = None
-
-    def __init__(self, drafter):
-        self.drafter = drafter
-        self.model = base_drafter(drafter)
-        self.forwards = 0
-        self.target_layer_ids = list(self.model.config.target_layer_ids)
-        self.cache = None
-        self.pairs = 0  # real pairs in the cache (pair j = (h_j, s_{j+1}))
-        self.features: list[torch.Tensor] = []  # target features of positions self.pairs, self.pairs + 1, ...
-        self.sequence: list[int] = []  # the committed tokens read by the last extend
-        self.hidden = self.mask = self.positions = None
-
-    def _call(self, ids, **kwargs):
-        out = self.drafter(input_ids=ids, cache=self.cache, use_cache=True, **kwargs)
-        self.forwards += 1
-        self.cache, self.hidden = out.cache, out.hidden_states[:, -1:]
-        return out.logits[:, -1]
-
-    # one sequence ---------------------------------------------------------------------------------------
-    def add_features(self, features: torch.Tensor) -> None:
-        """Target features ``(n, F)`` of the next ``n`` committed positions (from the forward that verified them)."""
-        if features is not None:
-            self.features.append(features.reshape(-1, features.shape[-1]))
-
-    def extend(self, sequence: list[int], features: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Read the pairs of committed tokens whose features arrived; logits of the next token ``(1, V)``, or
-        ``None`` before any feature exists (a one-token prompt: the first round drafts nothing)."""
-        if features is not None:
-            self.add_features(features)
-        new = torch.cat(self.features) if self.features else None
-        wanted = len(sequence) - 1 - self.pairs  # pairs up to (h_{n-2}, s_{n-1}) predict s_n
-        if wanted <= 0 or new is None or new.shape[0] < wanted:
-            if wanted > 0 and new is not None:
-                raise RuntimeError(f"{new.shape[0]} target features for {wanted} new pairs.")
-            return None
-        device = self.model.fc.weight.device
-        ids = torch.tensor([sequence[self.pairs + 1 : self.pairs + 1 + wanted]], dtype=torch.long, device=device)
-        positions = torch.arange(self.pairs, self.pairs + wanted, device=device).unsqueeze(0)
-        logits = self._call(ids, target_hidden_states=new[:wanted].unsqueeze(0).to(device), position_ids=positions)
-        self.pairs += wanted
-        self.features = [new[wanted:]] if new.shape[0] > wanted else []
-        self.mask = torch.ones((1, self.pairs), dtype=torch.long, device=device)
-        self.positions = positions[:, -1:]
-        self.sequence = list(sequence)
-        return logits
-
-    def rollback(self, valid_length: int) -> None:
-        """Drop the drafted pairs: they carried the drafter's own hidden states, not the target's."""
-        if self.cache is not None:
-            self.cache.crop(self.pairs)
-
-    # batches --------------------------------------------------------------------------------------------
-    def prefill(self, contexts: list[torch.Tensor], pad_id: int = 0, num_samples: int = 1,
-                features: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Logits after each context from its pairs ``(h_j, c_{j+1})``; ``features[i]`` ``(len(c_i), F)`` are the
-        target's features of context ``i`` (the last one is not read). Rows context by context, ``G`` each."""
-        if features is None:
-            raise ValueError("A feature-conditioned drafter needs the target's features of the contexts "
-                             "(ppow_trl.eagle3.target_features); pass target= to the rollout.")
-        for context in contexts:
-            if len(context) < 2:
-                raise ValueError("A feature-conditioned drafter needs contexts of at least 2 tokens (one pair).")
-        device = self.model.fc.weight.device
-        ids, mask = left_pad([torch.as_tensor(c)[1:] for c in contexts], pad_id)
-        width = ids.shape[1]
-        feats = torch.stack([torch.nn.functional.pad(f[: len(c) - 1], (0, 0, width - len(c) + 1, 0))
-                             for f, c in zip(features, contexts)])
-        ids, mask, feats = ids.to(device), mask.to(device), feats.to(device)
-        positions = positions_from_mask(mask)
-        if num_samples > 1:
-            ids, mask, feats, positions = (t.repeat_interleave(num_samples, dim=0) for t in (ids, mask, feats, positions))
-        self.cache = None
-        logits = self._call(ids, target_hidden_states=feats, attention_mask=mask, position_ids=positions,
-                            logits_to_keep=1)
-        self.mask, self.positions = mask, positions[:, -1:]
-        return logits
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Pair ``(own hidden, drafted token)`` per row at the next position; logits of the next token."""
-        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=-1)
-        self.positions = self.positions + 1
-        return self._call(tokens.view(-1, 1), hidden_states=self.hidden, attention_mask=self.mask,
-                          position_ids=self.positions)
-
-    # teacher-forced windows ------------------------------------------------------------------------------
-    def teacher_forced_logits(self, prompt: list[int], text: list[int], max_window: int,
-                              features: torch.Tensor | None = None):
-        """As ``StandaloneSession.teacher_forced_logits``; slot ``k`` of start ``s`` is the training-time-test unroll's
-        step ``k`` at pair ``len(prompt) + s - 2`` (``features``: the target's, ``(len(prompt) + len(text), F)``).
-        While the window's first ``k`` proposals match the text, the chain drafting them is exactly this unroll.
-        Needs ``len(prompt) >= 2`` (a pair before the first window)."""
-        if features is None:
-            raise ValueError("teacher_forced_logits of a feature-conditioned drafter needs the target's features.")
-        if len(prompt) < 2:
-            raise ValueError("A feature-conditioned drafter drafts after >= 2 prompt tokens; this prompt has 1.")
-        sequence = prompt + text
-        device = self.model.fc.weight.device
-        ids = torch.tensor([sequence[1:-1]], dtype=torch.long, device=device)
-        steps = self.model.unroll(ids, features[None, : len(sequence) - 2].to(device), num_steps=max_window)
-        first = len(prompt) - 2  # pair predicting text[0]
-        for slot, draft_logits in enumerate(steps):
-            logits = self.model.to_full_vocab(draft_logits[0])
-            yield slot, logits[first : first + len(text)]
-
-
-class BlockSession:
-    """A DFlash block drafter: its ``DFlashCache`` over the target features of committed tokens (the context),
-    the features not read yet, and the slot logits of the latest block.
-
-    Each round (``extend``) reads the new context features and drafts one block anchored at the last committed
-    token, exactly as transformers' ``DFlashTokenCandidateGenerator`` does: the cache is cut back to the context
-    (the previous block's positions dropped), the new features and the block go through one forward, and slot
-    ``k``'s output goes through the target's head.
-    """
-
-    def __init__(self, drafter, target):
-        self.drafter = drafter
-        self.model = base_drafter(drafter)
-        self.embed = target.get_input_embeddings()
-        self.head = target.get_output_embeddings()
-        self.block_size = int(self.model.config.block_size)
-        self.max_window = self.block_size - 1  # drafted slots per block
-        self.target_layer_ids = hidden_state_indices(self.model.config)
-        self.cache = None
-        self.context = 0  # committed positions whose features are in the cache
-        self.features: list[torch.Tensor] = []
-        self.slot_logits = None  # (rows, block_size - 1, V)
-        self.slot = 0
-        self.forwards = 0
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden.to(self.head.weight.dtype))
-
-    def _full_block(self):
-        """The native route's window hook (``ppow_trl.dflash.assisted``) paused: this loop applies its own rule."""
-        window = getattr(self.model, "_ppow_block_window", None)
-        return window.paused() if window is not None else contextlib.nullcontext()
-
-    def _start_block(self, slot_logits: torch.Tensor) -> torch.Tensor:
-        self.slot_logits, self.slot = slot_logits, 0
-        self.forwards += 1
-        return slot_logits[:, 0]
-
-    # one sequence ---------------------------------------------------------------------------------------
-    def add_features(self, features: torch.Tensor | None) -> None:
-        """Target features ``(n, F)`` of the next ``n`` committed positions (from the forward that verified them)."""
-        if features is not None:
-            self.features.append(features.reshape(-1, features.shape[-1]))
-
-    def extend(self, sequence: list[int], features: torch.Tensor | None = None) -> torch.Tensor:
-        """Read the features of committed tokens before the last one; draft a block anchored at the last one.
-        Returns slot 1's logits ``(1, V)``."""
-        if features is not None:
-            self.add_features(features)
-        wanted = len(sequence) - 1 - self.context
-        new = torch.cat(self.features) if self.features else None
-        have = 0 if new is None else new.shape[0]
-        if have < wanted:
-            raise RuntimeError(f"{have} target features for {wanted} new context positions.")
-        device = self.model.encoder.fc.weight.device
-        if self.cache is None:
-            self.cache = DFlashCache(config=self.model.config)
-            self.cache.activate_past_recording()
-        crop_cache(self.cache, self.context)  # drop the previous block
-        if new is None:
-            new = torch.zeros((0, self.model.encoder.fc.in_features), device=device)
-        context = new[:wanted].unsqueeze(0).to(device=device, dtype=self.model.encoder.fc.weight.dtype)
-        self.features = [new[wanted:]] if have > wanted else []
-        anchor = len(sequence) - 1
-        ids = torch.full((1, self.block_size), int(self.model.config.mask_token_id), dtype=torch.long, device=device)
-        ids[0, 0] = sequence[-1]
-        positions = torch.cat([torch.arange(self.context, anchor, device=device),
-                               torch.arange(anchor, anchor + self.block_size, device=device)]).unsqueeze(0)
-        self.cache.set_previous_accepted_tokens(wanted)
-        with self._full_block():
-            out = self.drafter(noise_embeds=self.embed(ids), context_hidden_states=context, position_ids=positions,
-                               cache=self.cache)
-        self.context = anchor
-        return self._start_block(self._logits(out.last_hidden_state[:, 1:]))
-
-    def rollback(self, valid_length: int) -> None:
-        """Nothing to undo: the cache holds target features only, and the next ``extend`` drops the block."""
-
-    # batches --------------------------------------------------------------------------------------------
-    def prefill(self, contexts: list[torch.Tensor], pad_id: int = 0, num_samples: int = 1,
-                features: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Slot 1's logits after each context (a block anchored at its last token, reading the features of the
-        others), ``(len(contexts) * G, V)``, rows context by context; later slots come from ``step``."""
-        if features is None:
-            raise ValueError("A DFlash drafter needs the target's features of the contexts "
-                             "(ppow_trl.eagle3.context_features); pass target= to the rollout.")
-        slot_logits = self._logits(block_after_contexts(self.drafter, self.embed, contexts, features)[:, 1:])
-        return self._start_block(slot_logits.repeat_interleave(num_samples, dim=0))
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The next slot's logits (no forward: slot ``k`` does not read the drafted ``y_<k``)."""
-        self.slot += 1
-        if self.slot >= self.slot_logits.shape[1]:
-            raise ValueError(f"A block of {self.block_size} drafts at most {self.block_size - 1} tokens: use "
-                             f"max_window <= {self.block_size - 1} with this drafter.")
-        return self.slot_logits[:, self.slot]
-
-    # teacher-forced windows ------------------------------------------------------------------------------
-    def teacher_forced_logits(self, prompt: list[int], text: list[int], max_window: int,
-                              features: torch.Tensor | None = None):
-        """As ``StandaloneSession.teacher_forced_logits``: slot ``k`` of a window after ``prompt + text[:s]`` is
-        slot ``k + 1`` of the block anchored at position ``len(prompt) + s - 1``, computed for every ``s`` in one
-        forward (``anchored_block_hidden``). The block never reads its own drafts, so this is exactly what the
-        loop drafts, matched or not (``features``: the target's, ``(len(prompt) + len(text), F)``)."""
-        if features is None:
-            raise ValueError("teacher_forced_logits of a DFlash drafter needs the target's features.")
-        if max_window > self.block_size - 1:
-            raise ValueError(f"max_window {max_window} exceeds this drafter's block of {self.block_size - 1} slots.")
-        sequence = prompt + text
-        device = self.model.encoder.fc.weight.device
-        anchors = torch.arange(len(prompt) - 1, len(sequence) - 1, device=device).unsqueeze(0)
-        ids = torch.tensor([sequence], dtype=torch.long, device=device)[:, anchors[0]]
-        context = features[None, : len(sequence) - 1].to(device)
-        hidden = anchored_block_hidden(self.drafter, self.embed, context, ids, anchors)[0]  # (M, S, H)
-        for slot in range(max_window):
-            yield slot, self._logits(hidden[:, slot + 1])
-
-
-def block_after_contexts(drafter, embed, contexts: list[torch.Tensor], features: list[torch.Tensor]) -> torch.Tensor:
-    """Output states ``(B, S, H)`` of one block per context, anchored at its last token and reading the target's
-    ``features[i]`` of its other tokens (left-padded; ``anchored_block_hidden``). Rollouts and PPOW's loss."""
-    device = base_drafter(drafter).encoder.fc.weight.device
-    width = max(len(c) for c in contexts) - 1
-    feats = torch.zeros((len(contexts), width, features[0].shape[-1]), device=device)
-    valid = torch.zeros((len(contexts), width), dtype=torch.bool, device=device)
-    positions = torch.zeros((len(contexts), width), dtype=torch.long, device=device)
-    for row, (context, feature) in enumerate(zip(contexts, features)):
-        n = len(context) - 1
-        if n:
-            feats[row, width - n :] = feature[:n].to(device)
-            valid[row, width - n :] = True
-            positions[row, width - n :] = torch.arange(n, device=device)
-    anchor_ids = torch.stack([torch.as_tensor(c)[-1] for c in contexts]).view(-1, 1).to(device)
-    anchor_positions = torch.tensor([[len(c) - 1] for c in contexts], device=device)
-    hidden = anchored_block_hidden(drafter, embed, feats, anchor_ids, anchor_positions, context_valid=valid,
-                                   context_positions=positions)
-    return hidden[:, 0]
+        raise ValueError(f"max_window (K) = {max_window}, but this drafter proposes at most {session.max_window} "
+                         f"tokens per round (a block drafter: block_size - 1): use K <= {session.max_window}, or a "
+                         "drafter that drafts more (a larger block_size).")

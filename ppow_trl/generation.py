@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafting import check_window, drafting_session, forward_at
+from .drafting import check_window, drafting_session
+from .features import forward_at
 from .models import output_vocab_rows
 from .utils import crop_cache
 from .verification import (
@@ -45,11 +46,9 @@ from .verification import (
     sample_categorical,
     speculative_sampling_verify,
 )
+from .metrics.speculative_decoding.summary import TAU_CONVENTION  # the one text, also the metric module's
 from .windowing import AdaptiveWindowPolicy
 
-TAU_CONVENTION = (
-    "tau = tokens generated / target verification forwards (bonus/correction token included, prefill excluded)"
-)
 
 
 @dataclass

@@ -45,9 +45,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer, TrainingArguments
 
 from .drafter import ReducedVocabHeadMixin
-from .dflash.modeling import anchored_block_hidden, check_target as check_block_target
-from .drafting import base_drafter, drafter_family, reads_target_features, target_layer_ids
-from .eagle3 import target_features
+from .drafting import family_of
+from .utils import unwrap_model
 
 # Columns the trainer reads (from `ppow_trl.data.build_target_responses` + `compute_target_topk`).
 KD_COLUMNS = ("prompt_ids", "response_ids", "topk_ids", "topk_logprobs")
@@ -229,7 +228,7 @@ class DataCollatorForKD:
         - `teacher_topk_ids` (long) and `teacher_topk_logprobs` (float32) `(B, L, k)`: the teacher's top-k at
           those positions (zeros elsewhere).
         - `target_features` `(B, L, F)` float32, when the examples have that column
-          (`ppow_trl.eagle3.compute_target_features`): the target's features of each kept position (zeros on padding).
+          (`ppow_trl.data.compute_target_features`): the target's features of each kept position (zeros on padding).
     """
 
     pad_token_id: int = 0
@@ -257,7 +256,7 @@ class DataCollatorForKD:
                 features = torch.as_tensor(features, dtype=torch.float32)
                 if features.shape[0] != full_prompt + len(response):
                     raise ValueError(f"target_features has {features.shape[0]} rows for {full_prompt + len(response)} "
-                                     "tokens; recompute them with ppow_trl.eagle3.compute_target_features.")
+                                     "tokens; recompute them with ppow_trl.data.compute_target_features.")
                 features = features[full_prompt - len(prompt) : full_prompt + kept]
             width = len(topk_ids[0]) if kept else 0  # an empty response has no top-k rows
             ids = torch.as_tensor(topk_ids[:kept], dtype=torch.long).reshape(kept, width)
@@ -326,7 +325,7 @@ def vocab_maps(model, num_columns: int, device: torch.device | str | None = None
     `PPOWDrafterForCausalLM` or an EAGLE-3 drafter, possibly inside a `PeftModel`; `arange(num_columns)` for an ordinary causal LM);
     `id_to_column[i]` is the column of token id `i`, or -1 when the drafter cannot output it.
     """
-    base = base_drafter(model)
+    base = unwrap_model(model)
     if isinstance(base, ReducedVocabHeadMixin):
         column_ids = base.draft_vocab_ids.to(device=device, dtype=torch.long)
         if column_ids.numel() != num_columns:
@@ -496,20 +495,20 @@ class KDTrainer(Trainer):
             if args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()  # reentrant checkpointing needs inputs that require grad
 
-        if reads_target_features(model):
+        self.family = family_of(model)
+        if not self.family.trainable:
+            raise ValueError(f"A {self.family.name} drafter has no parameters to distil into.")
+        if self.family.target_layer_ids(model) is not None:
             has_features = "target_features" in (getattr(train_dataset, "column_names", None) or [])
             if target is None and not has_features:
-                raise ValueError("This drafter reads the target's hidden states (EAGLE-3 family): pass target= (the "
-                                 "frozen target it was built for) so the trainer can compute its features, or a "
-                                 "dataset with them (ppow_trl.eagle3.compute_target_features).")
-            if drafter_family(model) == "block" and target is None:
-                raise ValueError("A DFlash block drafter drafts through the target's embedding and output head: pass "
-                                 "target= (the frozen target it was built for).")
+                raise ValueError(f"This drafter reads the target's hidden states ({self.family.description}): pass "
+                                 "target= (the frozen target it was built for) so the trainer can compute its "
+                                 "features, or a dataset with them (ppow_trl.data.compute_target_features).")
+            if target is None and self.family.runs_on_target:
+                raise ValueError(f"A {self.family.description} drafts through the target's embedding and output "
+                                 "head: pass target= (the frozen target it was built for).")
             if target is not None:
-                if drafter_family(model) == "block":
-                    check_block_target(base_drafter(model), target)
-                else:
-                    base_drafter(model).check_target(target)
+                self.family.check_target(model, target)
                 target.eval().requires_grad_(False)
         self.target = target
 
@@ -555,93 +554,13 @@ class KDTrainer(Trainer):
             self._vocab_maps_cache[key] = vocab_maps(self.model, num_columns, device)
         return self._vocab_maps_cache[key]
 
-    def _is_reduced_vocab(self) -> bool:
-        return isinstance(base_drafter(self.model), ReducedVocabHeadMixin)
-
-    def _standalone_rows(self, model, inputs, mask):
-        """Student logits at the positions predicting response tokens: ``[(logits (N, C), positions)]``."""
-        # Only the positions that predict some response token go through the output head.
-        positions = mask.any(dim=0).nonzero().flatten()
-        first, last = (int(positions[0]), int(positions[-1]) + 1) if positions.numel() else (0, 1)
-        forward_kwargs = {
-            "input_ids": inputs["input_ids"],
-            "attention_mask": inputs["attention_mask"],
-            "logits_to_keep": torch.arange(first, last, device=mask.device),
-            "use_cache": False,
-        }
-        if self._is_reduced_vocab():
-            forward_kwargs["full_vocab_logits"] = False  # finite draft logits, no -inf columns
-        outputs = model(**forward_kwargs)
-        logits = outputs.draft_logits if self._is_reduced_vocab() else outputs.logits
-        window = torch.zeros_like(mask)
-        window[:, first:last] = mask[:, first:last]
-        return [(logits[mask[:, first:last]], window)], outputs
-
-    def _chain_rows(self, model, inputs, mask):
-        """Training-time test of a feature-conditioned drafter: step ``k``'s logits at pair ``j`` predict the token
-        after sequence position ``t = j + k + 1``, so they meet the teacher's distribution stored at ``t``."""
-        ids, attention = inputs["input_ids"], inputs["attention_mask"]
-        features = inputs.get("target_features")  # cached (compute_target_features), else computed now
-        if features is None:
-            features = target_features(self.target, ids, attention, base_drafter(model).config.target_layer_ids)
-        target_masks, pair_masks = [], []
-        for step in range(self.args.ttt_steps):
-            # teacher position t <-> pair j = t - step - 1 (pairs exist for t >= step + 1)
-            target_mask = mask.clone()
-            target_mask[:, : step + 1] = False
-            pair_mask = torch.nn.functional.pad(target_mask[:, step + 1 :], (0, step))
-            target_masks.append(target_mask)
-            pair_masks.append(pair_mask)
-        outputs = model(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1], attention_mask=attention[:, 1:],
-                        unroll_steps=self.args.ttt_steps, unroll_row_masks=pair_masks)
-        rows = list(zip(outputs.unrolled_logits, target_masks))
-        return rows, outputs
-
-    def _block_rows(self, model, inputs, mask):
-        """Anchored blocks of a DFlash drafter (``KDConfig.block_anchors``): slot ``k`` of the block anchored at
-        ``a`` predicts token ``a + k``, so it meets the teacher's distribution stored at position ``a + k - 1``."""
-        ids, attention = inputs["input_ids"], inputs["attention_mask"]
-        features = inputs.get("target_features")
-        if features is None:
-            features = target_features(self.target, ids, attention, target_layer_ids(model))
-        block_size = int(base_drafter(model).config.block_size)
-        anchors = []
-        for row in mask:
-            candidates = row.nonzero().flatten()
-            pick = torch.randperm(candidates.numel(), device=candidates.device)[: self.args.block_anchors]
-            anchors.append(candidates[pick].sort().values)
-        count = max(1, max(a.numel() for a in anchors))
-        anchor_positions = torch.zeros((ids.shape[0], count), dtype=torch.long, device=ids.device)
-        real = torch.zeros((ids.shape[0], count), dtype=torch.bool, device=ids.device)
-        for row, chosen in enumerate(anchors):
-            anchor_positions[row, : chosen.numel()], real[row, : chosen.numel()] = chosen, True
-        hidden = anchored_block_hidden(model, self.target.get_input_embeddings(), features,
-                                       ids.gather(1, anchor_positions), anchor_positions,
-                                       context_valid=attention.bool())
-        head = self.target.get_output_embeddings()
-        rows = []
-        for slot in range(1, block_size):
-            teacher = (anchor_positions + slot - 1).clamp(max=ids.shape[1] - 1)
-            scored = real & mask.gather(1, teacher) & (anchor_positions + slot - 1 < ids.shape[1])
-            target_mask = torch.zeros_like(mask)
-            target_mask[scored.nonzero(as_tuple=True)[0], teacher[scored]] = True
-            # rows (sequence, anchor) ascending = the order target_mask selects the teacher's rows in
-            rows.append((head(hidden[:, :, slot][scored].to(head.weight.dtype)), target_mask))
-        return rows, {}  # no model output to hand the Trainer's prediction_step (it returns the loss only)
-
-    def _slot_weights(self, model, num_slots: int) -> list[float]:
-        """Per-slot loss weights: DFlash's ``exp(-(k - 1) / gamma)``, TTT's ``ttt_decay ** (k - 1)``."""
-        if drafter_family(model) == "block":
-            return [math.exp(-step / self.args.block_decay_gamma) for step in range(num_slots)]
-        return [self.args.ttt_decay**step for step in range(num_slots)]
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mask = inputs["completion_mask"].bool()
-        family = drafter_family(model)
-        chain = family != "standalone"  # per-slot means, weighted
-        rows_of = {"chain": self._chain_rows, "block": self._block_rows, "standalone": self._standalone_rows}
-        rows, outputs = rows_of[family](model, inputs, mask)
-        weights = self._slot_weights(model, len(rows))
+        # the family's student rows: one per slot (its maths lives with the family, ppow_trl.drafting)
+        rows, outputs = self.family.kd_rows(model, inputs, mask, self.args, target=self.target)
+        weights = self.family.kd_slot_weights(self.args, len(rows))
+        chain = weights is not None  # per-slot means, weighted
+        weights = weights or [1.0]
         column_ids, id_to_column = self._vocab_maps(rows[0][0].shape[-1], rows[0][0].device)
         loss, stats = 0.0, []
         for weight, (student, target_mask) in zip(weights, rows):

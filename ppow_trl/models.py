@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .dflash.modeling import is_block_drafter
 from .drafter import PPOWDrafterForCausalLM, ReducedVocabHeadMixin
 from .offline import smollm2_path
-from .utils import require_package
+from .drafting import family_of
+from .utils import require_package, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -346,11 +346,10 @@ def check_compatibility(target, drafter, target_tokenizer, drafter_tokenizer=Non
                 f"The {role} has {rows} output rows but the tokenizer has {vocab_size} tokens: some tokens "
                 f"could never be scored. Is this {role} made for this tokenizer?"
             )
-    embeddings = None if is_block_drafter(_unwrap(drafter)) else drafter.get_input_embeddings()
-    input_rows = target.get_input_embeddings().num_embeddings if embeddings is None else embeddings.num_embeddings
-    if input_rows < vocab_size:  # a block drafter (ppow_trl.dflash) embeds with the target's embedding
+    input_rows = family_of(drafter).input_vocab_size(drafter, target)
+    if input_rows < vocab_size:
         raise ValueError(f"The drafter embeds {input_rows} token ids but the tokenizer has {vocab_size} tokens.")
-    base = _unwrap(drafter)
+    base = unwrap_model(drafter)
     if isinstance(base, ReducedVocabHeadMixin) and int(base.draft_vocab_ids.max()) >= vocab_size:
         raise ValueError(
             f"The drafter's draft vocabulary holds ids up to {int(base.draft_vocab_ids.max())}, "
@@ -379,17 +378,12 @@ def _check_same_tokenizer(target_tokenizer, drafter_tokenizer) -> None:
 
 def output_vocab_rows(model) -> int:
     """Width of the logits `model` returns (padded rows included)."""
-    model = _unwrap(model)
+    model = unwrap_model(model)
     if isinstance(model, ReducedVocabHeadMixin):
         return model.config.full_vocab_size  # the reduced head has fewer rows than the logits
     head = model.get_output_embeddings()
     # `out_features` rather than `weight.shape`: bitsandbytes packs 4-bit weights into another shape.
     return head.out_features if head is not None else model.config.get_text_config().vocab_size
-
-
-def _unwrap(model):
-    """The model under a PEFT wrapper (drafters are usually LoRA-wrapped)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def shared_vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -167,8 +167,42 @@ class PPOWConfig(GRPOConfig):
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         self.max_completion_length = self.max_window if isinstance(self.max_window, int) else None
+        self.validate_training_numbers()  # first: GRPOConfig's own set-up divides by some of them
         super().__post_init__()
         self.validate_ppow()
+
+    def validate_training_numbers(self) -> None:
+        """Check the inherited optimisation fields that transformers and trl accept out of range (a negative
+        learning rate, no steps, no generations), so a bad value fails here and not after the data is built."""
+        errors = []
+        if not self.learning_rate > 0:
+            errors.append(f"learning_rate must be > 0, got {self.learning_rate}: pass the optimizer's step size, "
+                          "e.g. --learning_rate 1e-5.")
+        if self.max_steps == 0 or self.max_steps < -1:
+            errors.append(f"max_steps must be > 0 (optimizer steps) or -1 (train for num_train_epochs), got "
+                          f"{self.max_steps}.")
+        if self.max_steps <= 0 and not self.num_train_epochs > 0:
+            errors.append(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}: pass "
+                          "--num_train_epochs 1 or a number of optimizer steps with --max_steps.")
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name} must be an integer >= 1, got {getattr(self, name)}.")
+        if self.steps_per_generation is not None and self.steps_per_generation < 1:
+            errors.append(f"steps_per_generation must be >= 1 (or unset: gradient_accumulation_steps), got "
+                          f"{self.steps_per_generation}.")
+        if self.num_generations is not None and self.num_generations < 2:
+            errors.append(f"num_generations must be >= 2 (the windows of a group are scored against each other), got "
+                          f"{self.num_generations}.")
+        if self.weight_decay < 0:
+            errors.append(f"weight_decay must be >= 0, got {self.weight_decay}.")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            errors.append(f"max_grad_norm must be >= 0 (0 = no clipping), got {self.max_grad_norm}.")
+        if self.beta < 0:
+            errors.append(f"beta (the KL coefficient) must be >= 0 (0 = no KL term), got {self.beta}.")
+        if not self.epsilon > 0:
+            errors.append(f"epsilon (the clipping range) must be > 0, got {self.epsilon}.")
+        if errors:
+            raise ValueError("Invalid PPOWConfig:\n- " + "\n- ".join(errors))
 
     def validate_ppow(self) -> None:
         """Check PPOW's fields; every message names the field and what to do."""

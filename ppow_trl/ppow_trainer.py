@@ -21,24 +21,23 @@ from accelerate.utils import broadcast, broadcast_object_list
 from transformers import AutoModelForCausalLM
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
-from trl.models.utils import unwrap_model_for_generation
-from trl.trainer.utils import split_tensor_dict
 
+from ._trl_compat import split_tensor_dict, unwrap_model_for_generation
 from .calibration import calibrate_policy, held_out_contexts
 from .contexts import ContextPool, ContextSelector, score_sequences
-from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model, overall_speedup, speedup
-from .credit import per_position_advantages, per_position_credit
+from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model, overall_speedup
+from .credit import per_position_advantages
 from .drafter import ReducedVocabHeadMixin
-from .drafting import drafter_family, reads_target_features, target_layer_ids
-from .eagle3 import context_features
+from .drafting import family_of
+from .features import context_features
 from .model_card import render_model_card, write_model_card
 from .models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
 from .generation import exact_greedy_tau, greedy_continuation
-from .rewards import divergence, proximity_terms
-from .rollout import draft_windows, target_window_probs
-from .verification import window_prefix_acceptance
-from .window_logprobs import block_window_logprobs, chain_window_logprobs, shared_context_window_logprobs
+from .rewards import divergence
+from .rollout import VerifiedWindows, verify_windows, window_rewards
+from .window_logprobs import window_logprobs
+from .utils import unwrap_model
 from .windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
@@ -107,12 +106,10 @@ class PPOWTrainer(GRPOTrainer):
         if isinstance(target_model, str):
             target_model = load_target(target_model, quantization=args.target_quantization)
         self.vocab_size = check_compatibility(target_model, model, processing_class, drafter_processing_class)
-        # a DFlash block drafter (ppow_trl.dflash): one forward per round, the target's embedding and head
-        self._block_drafter = drafter_family(model) == "block"
-        if self._block_drafter and getattr(model, "generation_config", None) is None:
-            from transformers import GenerationConfig
-
-            model.generation_config = GenerationConfig()  # TRL writes its pad id there; the drafter never generates
+        self.family = family_of(model)  # what this drafter is: its session, loss states, cost unit (ppow_trl.drafting)
+        if not self.family.trainable:
+            raise ValueError(f"A {self.family.name} drafter has no parameters to train: evaluate it with ppow_trl.bench.")
+        self.family.prepare_for_training(model, target_model)
         room = min(_max_positions(target_model), _max_positions(model)) - (args.max_window + 1)
         self.context_pool = ContextPool(train_dataset, max_context_length=room)
 
@@ -184,37 +181,21 @@ class PPOWTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ set-up helpers
 
     def _unwrapped_drafter(self):
-        model = self.accelerator.unwrap_model(self.model)
-        return model.get_base_model() if hasattr(model, "get_base_model") else model
+        return unwrap_model(self.model)
 
     def _patch_drafter_forward(self) -> None:
         """Two routes into the drafter's own ``forward`` (the innermost model's, where TRL put its fused head), so
         they run inside DDP's and PEFT's ``forward`` like every training forward:
 
-        - ``ppow_window_logprobs={...}``: the shared-context log-probs of ``window_logprobs`` (the loss path);
+        - ``ppow_window_logprobs={...}``: the shared-context log-probs of ``window_logprobs`` (the loss path), from
+          the family's ``window_hidden`` (``ppow_trl.drafting``);
         - TRL's fused head (``fused_lm_head=True``, used when ``shared_context_logprobs=False``): for a
           reduced-vocabulary drafter, target-id labels are mapped to draft rows first, else the log-probs are
-          silently wrong (docs/design/trainer-notes.md, section 0).
+          silently wrong (docs/design/trainer-notes.md, section 0). Only a standalone causal LM over the target's
+          vocabulary has this path.
         """
-        drafter = self._unwrapped_drafter()
-        if self._block_drafter:
-            if not self.args.shared_context_logprobs:
-                raise ValueError("A DFlash block drafter has no TRL generic loss path (it drafts through the target's "
-                                 "head from the target's features): keep shared_context_logprobs=True.")
-            inner_forward = drafter.forward
-
-            @functools.wraps(inner_forward)
-            def block_forward(*args, ppow_window_logprobs=None, **kwargs):
-                if ppow_window_logprobs is None:
-                    return inner_forward(*args, **kwargs)
-                return block_window_logprobs(drafter, kwargs["input_ids"], kwargs["attention_mask"],
-                                             context_features=self._context_features, target=self.target,
-                                             **ppow_window_logprobs)
-
-            drafter.forward = block_forward
-            drafter._ppow_window_logprobs = True
-            return
-        head = drafter.get_output_embeddings()
+        drafter, family = self._unwrapped_drafter(), self.family
+        head = family.output_head(drafter, self.target)
         if hasattr(head, "lora_A"):
             # Both loss paths project with head.weight, the frozen base weight: a LoRA delta on the head would shape
             # the sampled q but never the loss.
@@ -222,31 +203,29 @@ class PPOWTrainer(GRPOTrainer):
                 "LoRA on the drafter's output head is not supported: the loss uses the head's weight, not the adapter's "
                 "delta. Leave lm_head out of target_modules (or train it fully with modules_to_save=['lm_head'])."
             )
-        head_rows = head.weight.shape[0]
         reduced = isinstance(drafter, ReducedVocabHeadMixin)
-        chain = reads_target_features(drafter)
-        if chain and not self.args.shared_context_logprobs:
-            raise ValueError("A drafter reading the target's hidden states has no TRL generic loss path (its forward "
-                             "needs the target's features): keep shared_context_logprobs=True.")
-        if not self.args.shared_context_logprobs and not reduced and head_rows != self.vocab_size:
-            raise ValueError(
-                f"The drafter's head has {head_rows} rows but the shared vocabulary is {self.vocab_size}: TRL's generic "
-                "loss path normalises over every row while the rollout samples over the first "
-                f"{self.vocab_size}, so the log-probs would not be those sampled. Keep shared_context_logprobs=True."
-            )
+        if not self.args.shared_context_logprobs:
+            if family.target_layer_ids(drafter) is not None:
+                raise ValueError(f"A {family.description} has no TRL generic loss path (its forward needs the "
+                                 "target's features): keep shared_context_logprobs=True.")
+            head_rows = head.weight.shape[0]
+            if not reduced and head_rows != self.vocab_size:
+                raise ValueError(
+                    f"The drafter's head has {head_rows} rows but the shared vocabulary is {self.vocab_size}: TRL's "
+                    "generic loss path normalises over every row while the rollout samples over the first "
+                    f"{self.vocab_size}, so the log-probs would not be those sampled. Keep shared_context_logprobs=True."
+                )
         inner_forward = drafter.forward
 
         @functools.wraps(inner_forward)
-        def forward(*args, ppow_window_logprobs=None, fused_lm_head=False, labels=None, **kwargs):
+        def forward(*args, ppow_window_logprobs=None, **kwargs):
             if ppow_window_logprobs is not None:
-                if chain:
-                    return chain_window_logprobs(drafter, kwargs["input_ids"], kwargs["attention_mask"],
-                                                 context_features=self._context_features, **ppow_window_logprobs)
-                return shared_context_window_logprobs(drafter, kwargs["input_ids"], kwargs["attention_mask"],
-                                                      **ppow_window_logprobs)
-            if reduced and fused_lm_head and labels is not None:
-                labels = drafter.draft_index(labels)
-            return inner_forward(*args, fused_lm_head=fused_lm_head, labels=labels, **kwargs)
+                return window_logprobs(drafter, family, kwargs["input_ids"], kwargs["attention_mask"],
+                                       target=self.target, context_features=self._context_features,
+                                       **ppow_window_logprobs)
+            if reduced and kwargs.get("fused_lm_head") and kwargs.get("labels") is not None:
+                kwargs["labels"] = drafter.draft_index(kwargs["labels"])
+            return inner_forward(*args, **kwargs)
 
         drafter.forward = forward
         drafter._ppow_window_logprobs = True
@@ -256,7 +235,7 @@ class PPOWTrainer(GRPOTrainer):
         kept = getattr(self, "_rollout_features", {})
         missing = [c for c in contexts if tuple(c.tolist()) not in kept]
         if missing:
-            computed = context_features(self.target, missing, target_layer_ids(self._unwrapped_drafter()),
+            computed = context_features(self.target, missing, self.family.target_layer_ids(self.model),
                                         self._tokenizer.pad_token_id)
             kept = {**kept, **{tuple(c.tolist()): f for c, f in zip(missing, computed)}}
         return [kept[tuple(c.tolist())] for c in contexts]
@@ -277,16 +256,18 @@ class PPOWTrainer(GRPOTrainer):
         """The given cost ratios, or a calibration on this machine (main process; broadcast to the others)."""
         if self.args.drafter_cost is not None:
             return CostModel(drafter_cost=self.args.drafter_cost, verify_cost=list(self.args.verify_cost),
-                             description="given in PPOWConfig", drafter_per_round=self._block_drafter)
-        ratios = torch.zeros(self.args.max_window + 2, device=self.accelerator.device)
+                             description="given in PPOWConfig", drafter_per_round=self.family.cost_per_round)
+        measured = [None]
         if self.accelerator.is_main_process:
-            with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter:
+            with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter, _eval_mode(drafter):
                 check_same_device(self.target, drafter)
-                measured = calibrate_cost_model(self.target, drafter, self.args.max_window)
-            ratios = torch.tensor([measured.drafter_cost, *measured.verify_cost], device=self.accelerator.device)
-        ratios = broadcast(ratios, from_process=0).tolist()
-        return CostModel(drafter_cost=ratios[0], verify_cost=ratios[1:], drafter_per_round=self._block_drafter,
-                         description="measured by PPOWTrainer before its first rollout (main process)")
+                measured = [calibrate_cost_model(self.target, drafter, self.args.max_window)]
+            measured[0].description = ("measured by PPOWTrainer before its first rollout (main process): "
+                                       + measured[0].description)
+        if self.accelerator.num_processes > 1:
+            # The whole object (raw seconds and description included), not only the ratios.
+            broadcast_object_list(measured, from_process=0)
+        return measured[0]
 
     # ------------------------------------------------------------------ sampling of contexts
 
@@ -347,24 +328,12 @@ class PPOWTrainer(GRPOTrainer):
     def _verify_temperature(self) -> float:
         return 0.0 if self.args.acceptance == "greedy" else self.args.verify_temperature
 
-    def window_rewards(self, window_ids, drafter_probs, window_mask, target_probs) -> dict[str, torch.Tensor]:
-        """The reward terms of PPOW.md for a batch of windows, from the shared core.
-
-        Returns ``accepted`` (E[A|y], or A when ``acceptance="greedy"``), ``prefix`` (P(A >= k)),
-        ``lengths`` (L), ``speed`` (R_speed), ``proximity`` (R_prox) and ``credit`` (the per-position credit
-        ``C_k`` of ``ppow_trl.credit``, 0 past L).
-        """
-        prefix = window_prefix_acceptance(window_ids, target_probs, drafter_probs, window_mask,
-                                          greedy=self.args.acceptance == "greedy")
-        accepted = prefix.sum(dim=-1)  # A (greedy) or E[A|y] = sum_k prod_{i<=k} alpha_i
-        lengths = window_mask.sum(-1)
+    def window_rewards(self, verified: VerifiedWindows) -> dict[str, torch.Tensor]:
+        """The reward terms of PPOW.md for verified windows (``ppow_trl.rollout.window_rewards`` with this run's cost
+        model, speed reward and proximity settings)."""
         cost_model = self.cost_model if self.args.speed_reward == "cost" else None
-        r_speed = speedup(accepted, lengths, cost_model) if cost_model is not None else accepted + 1.0
-        terms = proximity_terms(target_probs, drafter_probs, kind=self.args.proximity_divergence)
-        r_prox = (terms * window_mask).sum(-1) / lengths.clamp_min(1)  # R_prox = (1/L) sum_i r_i
-        credit = per_position_credit(prefix, terms, window_mask, cost_model, self.args.proximity_weight)
-        return {"accepted": accepted, "prefix": prefix, "lengths": lengths, "speed": r_speed, "proximity": r_prox,
-                "credit": credit}
+        return window_rewards(verified, cost_model, proximity_divergence=self.args.proximity_divergence,
+                              proximity_weight=self.args.proximity_weight)
 
     def _rollout(self, prompts: list[list[int]], trainer=None) -> dict:
         """Draft G windows per context, verify them with the target, and compute the rewards."""
@@ -379,28 +348,28 @@ class PPOWTrainer(GRPOTrainer):
             (self.args.seed * 1_000_003 + self._generation_round()) * 1_009 + self.accelerator.process_index
         )
         features = None
-        layer_ids = target_layer_ids(self._unwrapped_drafter())
+        layer_ids = self.family.target_layer_ids(self.model)
         if layer_ids is not None:  # kept for the loss, which replays these windows from the same features
             features = context_features(self.target, contexts, layer_ids, pad_id)
             self._rollout_features = {tuple(c.tolist()): f for c, f in zip(contexts, features)}
+        # Drafted in eval mode (no dropout), as served: the windows and their log-probs are the served drafter's.
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
-        ) as drafter, torch.no_grad():
-            drafted = draft_windows(drafter, contexts, self.rollout_policy, pad_id=pad_id, temperature=self.args.temperature,
-                                    vocab_size=self.vocab_size, num_samples_per_context=group, generator=generator,
-                                    target=self.target, features=features)
-        target_probs = target_window_probs(self.target, contexts, drafted.window_ids, pad_id=pad_id,
-                                           temperature=self._verify_temperature, vocab_size=self.vocab_size,
-                                           num_samples_per_context=group)
-        target_probs = target_probs.to(drafted.drafter_probs.device)
-        terms = self.window_rewards(drafted.window_ids, drafted.drafter_probs, drafted.window_mask, target_probs)
+        ) as drafter, torch.no_grad(), _eval_mode(drafter):
+            verified = verify_windows(self.target, drafter, contexts, self.rollout_policy,
+                                      greedy=self.args.acceptance == "greedy", temperature=self.args.temperature,
+                                      verify_temperature=self._verify_temperature, pad_id=pad_id,
+                                      vocab_size=self.vocab_size, generator=generator, num_samples_per_context=group,
+                                      features=features)
+        drafted, target_probs = verified.drafted, verified.target_probs
+        terms = self.window_rewards(verified)
         self._log_window_metrics(terms, drafted, target_probs)
         sampled_logq = drafted.drafter_probs.gather(-1, drafted.window_ids.unsqueeze(-1)).squeeze(-1).clamp_min(1e-30).log()
         self.last_window_rewards = {**terms, "window_ids": drafted.window_ids, "window_mask": drafted.window_mask,
                                     "confidences": drafted.confidences, "sampled_logq": sampled_logq}
         if self.args.keep_window_distributions:
             self.last_window_rewards.update(drafter_probs=drafted.drafter_probs, target_probs=target_probs)
-        del target_probs  # (B, K + 1, V): freed before the loss's backward, unless kept above
+        del target_probs, verified  # (B, K + 1, V): freed before the loss's backward, unless kept above
 
         lengths = terms["lengths"].tolist()
         credit = terms["credit"]
@@ -668,16 +637,12 @@ class PPOWTrainer(GRPOTrainer):
             accepted, lengths = [], []
             for start in range(0, len(contexts), args.per_device_eval_batch_size):
                 chunk = contexts[start : start + args.per_device_eval_batch_size]
-                drafted = draft_windows(drafter, chunk, policy, pad_id=self._tokenizer.pad_token_id,
-                                        temperature=args.temperature, vocab_size=self.vocab_size, generator=generator,
-                                        target=self.target)
-                p = target_window_probs(self.target, chunk, drafted.window_ids, pad_id=self._tokenizer.pad_token_id,
-                                        temperature=self._verify_temperature, vocab_size=self.vocab_size)
-                prefix = window_prefix_acceptance(drafted.window_ids, p.to(drafted.drafter_probs.device),
-                                                  drafted.drafter_probs, drafted.window_mask,
-                                                  greedy=args.acceptance == "greedy")
-                accepted.append(prefix.sum(-1).float().cpu())
-                lengths.append(drafted.window_mask.sum(-1).cpu())
+                verified = verify_windows(self.target, drafter, chunk, policy, greedy=args.acceptance == "greedy",
+                                          temperature=args.temperature, verify_temperature=self._verify_temperature,
+                                          pad_id=self._tokenizer.pad_token_id, vocab_size=self.vocab_size,
+                                          generator=generator)
+                accepted.append(verified.accepted.float().cpu())
+                lengths.append(verified.drafted.window_mask.sum(-1).cpu())
         accepted, lengths = torch.cat(accepted), torch.cat(lengths)
         calibration = policy.calibration or {}
         return [
@@ -698,7 +663,8 @@ class PPOWTrainer(GRPOTrainer):
             # `assistant_model=` path applies the rule through custom_generate/ (see ppow_trl/assisted.py).
             from .assisted import write_assistant_files
 
-            write_assistant_files(output_dir, self.window_policy, self._cost_model, vocab_size=self.vocab_size)
+            write_assistant_files(output_dir, self.window_policy, self._cost_model, vocab_size=self.vocab_size,
+                                  hook=self.family.writes_hook_file)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """README.md for the drafter folder: target, drafter, data, hyperparameters, window rule, cost model

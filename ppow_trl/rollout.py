@@ -1,8 +1,10 @@
-"""Drafting windows with the drafter and scoring them with the target, batched over contexts.
+"""Draft -> verify -> rewards, batched over contexts: the one data path of rollouts, calibration and evaluation.
 
-This is the data path ``contexts -> drafter windows -> target distributions`` that the demo, the
-evaluation and the trainer's rollouts share. Contexts have different lengths: they are left-padded
-and given explicit position ids, so each row sees the positions it would see alone.
+``contexts -> drafter windows (draft_windows) -> target distributions (target_window_probs) -> P(A >= k | y)
+(verify_windows) -> R_speed, R_prox, per-position credit (window_rewards)``. The trainer's rollouts, the window
+calibration (``ppow_trl.calibration``), the trainer's held-out metrics, the study and the demo all run it. Contexts
+have different lengths: they are left-padded and given explicit position ids, so each row sees the positions it
+would see alone.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import torch
 # left_pad, length_buckets and positions_from_mask are re-exported: they lived here before ppow_trl.batching.
 from .batching import left_pad, length_buckets, positions_from_mask, prefill_contexts  # noqa: F401
 from .drafting import drafting_session
-from .eagle3 import context_features
-from .verification import lengths_to_mask, probabilities_from_logits, sample_categorical
+from .features import context_features
+from .cost import CostModel, speedup
+from .credit import per_position_credit
+from .rewards import proximity_terms
+from .verification import lengths_to_mask, probabilities_from_logits, sample_categorical, window_prefix_acceptance
 from .windowing import AdaptiveWindowPolicy
 
 
@@ -116,3 +121,70 @@ def target_window_probs(
     out = target(input_ids=window_ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True)
     logits = torch.cat([first_logits.unsqueeze(1), out.logits], dim=1)
     return probabilities_from_logits(logits[..., :vocab_size] if vocab_size else logits, temperature)
+
+
+@dataclass
+class VerifiedWindows:
+    """Drafted windows and their verification: ``drafted`` (``DraftedWindows``), ``target_probs`` ``(B, K + 1, V)``
+    (``p_i`` on the drafter's device) and ``prefix`` ``(B, K)``, ``P(A >= k | y)`` (0/1 when greedy)."""
+
+    drafted: DraftedWindows
+    target_probs: torch.Tensor
+    prefix: torch.Tensor
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        """``E[A | y]`` (``A`` when greedy) of each window, ``(B,)``."""
+        return self.prefix.sum(dim=-1)
+
+
+@torch.no_grad()
+def verify_windows(
+    target,
+    drafter,
+    contexts: list[torch.Tensor],
+    policy: AdaptiveWindowPolicy,
+    *,
+    greedy: bool,
+    temperature: float = 1.0,
+    verify_temperature: float | None = None,
+    pad_id: int = 0,
+    vocab_size: int | None = None,
+    generator: torch.Generator | None = None,
+    num_samples_per_context: int = 1,
+    features: list[torch.Tensor] | None = None,
+) -> VerifiedWindows:
+    """Draft windows after ``contexts`` under ``policy`` and verify them with ``target``.
+
+    ``greedy``: greedy verification (``a_i = [y_i == argmax p_i]``); the drafter samples at ``temperature`` (0 drafts
+    greedily) and the target's ``p`` is taken at ``verify_temperature`` (default: 0 when greedy, else
+    ``temperature``). Speculative sampling otherwise: ``P(A >= k | y) = prod_{i<=k} min(1, p_i(y_i) / q_i(y_i))``.
+    """
+    if verify_temperature is None:
+        verify_temperature = 0.0 if greedy else temperature
+    drafted = draft_windows(drafter, contexts, policy, pad_id=pad_id, temperature=temperature, vocab_size=vocab_size,
+                            generator=generator, num_samples_per_context=num_samples_per_context, target=target,
+                            features=features)
+    p = target_window_probs(target, contexts, drafted.window_ids, pad_id=pad_id, temperature=verify_temperature,
+                            vocab_size=vocab_size, num_samples_per_context=num_samples_per_context)
+    p = p.to(drafted.drafter_probs.device)
+    prefix = window_prefix_acceptance(drafted.window_ids, p, drafted.drafter_probs, drafted.window_mask, greedy=greedy)
+    return VerifiedWindows(drafted=drafted, target_probs=p, prefix=prefix)
+
+
+def window_rewards(verified: VerifiedWindows, cost_model: CostModel | None, *, proximity_divergence: str = "tv",
+                   proximity_weight: float = 1.0) -> dict[str, torch.Tensor]:
+    """The reward terms of PPOW.md for verified windows.
+
+    Returns ``accepted`` (E[A|y], or A when greedy), ``prefix`` (P(A >= k)), ``lengths`` (L), ``speed``
+    (``R_speed = S(y)`` with ``cost_model``, else ``E[A|y] + 1``), ``proximity`` (``R_prox = (1/L) sum_i r_i``) and
+    ``credit`` (the per-position credit ``C_k`` of ``ppow_trl.credit``, 0 past L).
+    """
+    drafted, prefix = verified.drafted, verified.prefix
+    accepted, lengths = verified.accepted, drafted.window_mask.sum(-1)
+    r_speed = speedup(accepted, lengths, cost_model) if cost_model is not None else accepted + 1.0
+    terms = proximity_terms(verified.target_probs, drafted.drafter_probs, kind=proximity_divergence)
+    r_prox = (terms * drafted.window_mask).sum(-1) / lengths.clamp_min(1)
+    credit = per_position_credit(prefix, terms, drafted.window_mask, cost_model, proximity_weight)
+    return {"accepted": accepted, "prefix": prefix, "lengths": lengths, "speed": r_speed, "proximity": r_prox,
+            "credit": credit}

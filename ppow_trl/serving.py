@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .assisted import _is_peft_model
+from .utils import is_peft_model
 from .calibration import calibrate_policy
 from .cost import CostModel, calibrate_cost_model
 from .windowing import AdaptiveWindowPolicy
@@ -23,7 +23,7 @@ DEFAULT_GUARD = {"window": 8, "probe_every": 32}
 
 
 def _check_servable(drafter) -> None:
-    if _is_peft_model(drafter):
+    if is_peft_model(drafter):
         raise ValueError("calibrate_for_serving measures the drafter as it will be served: merge the adapter first "
                          "(`drafter = peft_model.merge_and_unload()`).")
 

@@ -65,6 +65,34 @@ def set_cpu_threads(num_threads: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+def unwrap_model(model):
+    """The model under its PEFT and DDP / DeepSpeed wrappers (``module``), the one unwrap helper of the package:
+    what decides a drafter's family, and where its own ``forward`` and config live."""
+    while True:
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def is_peft_model(model) -> bool:
+    """Whether ``model`` is a PEFT adapter model (``peft`` is optional)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+PEFT_ASSISTANT_MESSAGE = (
+    "A PEFT adapter cannot carry the window hook: HF loads an adapter through its base model's folder, so neither "
+    "custom_generate/generate.py nor the generation config of the adapter folder is used. Merge the adapter first "
+    "(`drafter = peft_model.merge_and_unload()`) and save the merged drafter with ppow_trl.assisted.save_assistant."
+)
+
+
 def crop_cache(cache, length: int) -> None:
     """Cut a transformers KV ``Cache`` back to its first ``length`` positions (e.g. after a rejection).
 

@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 
 from .cost import CostModel, overall_speedup
-from .custom_generate.generate import SpeculationGuard, keep_drafting, window_confidence
+from .custom_generate.generate import (
+    PPOW_GENERATION_CONFIG_KEY as GENERATION_CONFIG_KEY,
+    SpeculationGuard,
+    WindowBudget,
+    keep_drafting,
+    window_confidence,
+)
 from .rewards import divergence
 from .utils import load_json, save_json
 
@@ -170,20 +176,25 @@ class AdaptiveWindowPolicy:
                                        **hub_kwargs))
 
 
+def expected_accepted_within(prefix_acceptance: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``E[A | y_{1:L}] = sum_{k<=L} P(A >= k | y)`` per row: a window cut to ``L`` tokens is a prefix of the drafted
+    one, so its expected accepted length sums the first ``L`` prefix-acceptance terms (0/1 terms when greedy).
+    ``prefix_acceptance`` ``(N, K)``, ``lengths`` ``(N,)``; the one E[A]-for-a-length of the package."""
+    keep = torch.arange(prefix_acceptance.shape[1], device=prefix_acceptance.device) < lengths.to(
+        prefix_acceptance.device).unsqueeze(-1)
+    return (prefix_acceptance * keep).sum(dim=-1)
+
+
 def policy_speedup(
     policy: AdaptiveWindowPolicy, confidences: torch.Tensor, prefix_acceptance: torch.Tensor, cost_model: CostModel
 ) -> torch.Tensor:
-    """Cost-model speedup of ``policy`` on rollouts of ``K`` tokens (``K >= policy.max_window``).
-
-    ``prefix_acceptance[:, k-1] = P(A >= k | y)`` from a full rollout; a shorter window is a prefix of
-    it, so ``E[A | y_{1:L}] = sum_{k<=L} P(A >= k)`` exactly (for greedy drafting too, with 0/1 terms).
-    """
+    """Cost-model speedup of ``policy`` on rollouts of ``K`` tokens (``K >= policy.max_window``): ``sum_n (E[A_n] + 1)
+    / sum_n (L_n t_d + t_v(L_n))`` with ``E[A_n]`` from ``expected_accepted_within``."""
     lengths = policy.window_lengths(confidences)
-    keep = torch.arange(prefix_acceptance.shape[1], device=lengths.device) < lengths.unsqueeze(-1)
-    return overall_speedup((prefix_acceptance * keep).sum(dim=-1), lengths, cost_model)
+    return overall_speedup(expected_accepted_within(prefix_acceptance, lengths), lengths, cost_model)
 
 
-def calibrate_window_policy(
+def search_window_grid(
     confidences: torch.Tensor,
     prefix_acceptance: torch.Tensor,
     cost_model: CostModel,
@@ -192,11 +203,11 @@ def calibrate_window_policy(
     confidence_temperature: float = 1.0,
     allow_no_speculation: bool = False,
 ) -> tuple[AdaptiveWindowPolicy, list[dict]]:
-    """Choose ``(K, h)`` maximising the cost-model speedup on held-out rollouts; returns it and the grid.
+    """The ``(K, h)`` maximising the cost-model speedup on held-out rollouts, and the grid: the search step of the one
+    calibration, ``ppow_trl.calibration.calibrate_policy`` (which drafts and verifies those windows and calls it).
 
     ``confidences`` (at ``confidence_temperature``) and ``prefix_acceptance`` are ``(N, K_max)`` from windows
-    of ``K_max`` tokens drafted on held-out contexts (see ``policy_speedup``). This is the grid search on
-    tensors; ``ppow_trl.calibration.calibrate_policy`` drafts and verifies those windows and calls it.
+    of ``K_max`` tokens drafted on held-out contexts (see ``policy_speedup``).
     ``allow_no_speculation``: ``K = 0`` (plain decoding, speedup 1 by definition) is a candidate too, and wins
     whenever no ``(K, h)`` is predicted above 1x (it comes first, so a tie keeps plain decoding).
     """
@@ -209,3 +220,47 @@ def calibrate_window_policy(
             grid.append({"max_window": int(max_window), "threshold": float(threshold), "speedup": value})
     best = max(grid, key=lambda row: row["speedup"])
     return AdaptiveWindowPolicy(best["max_window"], best["threshold"], confidence_temperature), grid
+
+
+# The window rule in a drafter's generation config, for HF's assisted generation (``ppow_trl.assisted``).
+
+def _check_policy(policy) -> AdaptiveWindowPolicy:
+    if not isinstance(policy, AdaptiveWindowPolicy):
+        raise ValueError(f"policy must be an AdaptiveWindowPolicy, got {type(policy).__name__}.")
+    return policy
+
+
+def policy_dict(policy: AdaptiveWindowPolicy) -> dict:
+    """What the hook reads from ``generation_config.ppow_window_policy``: the policy minus ``calibration`` (it
+    stays in ``ppow_window_policy.json``), ``{"max_window": K, "threshold": h, "confidence_temperature": T_c}``."""
+    data = asdict(_check_policy(policy))
+    data.pop("calibration", None)
+    if data.get("guard") is None:  # an unguarded policy writes the same generation config as before the guard
+        data.pop("guard", None)
+    return data
+
+
+def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy, vocab_size: int | None = None):
+    """Set a drafter's ``generation_config`` for HF's assisted generation with our rule; returns it.
+
+    ``num_assistant_tokens = K`` (HF drafts at most this many; with a guard, a ``WindowBudget`` that reads 0 while the
+    guard pauses, see ``ppow_trl.custom_generate.generate``), ``num_assistant_tokens_schedule = "constant"``
+    (HF never changes K), ``assistant_confidence_threshold = 0`` (HF's per-token rule and its re-tuning are
+    off), and ``ppow_window_policy = policy_dict(policy)`` (``K``, ``h``, ``T_c``; read by the hook), plus
+    ``vocab_size`` when given (the tokenizer's length: confidences over those scores only, as in training).
+    """
+    policy = _check_policy(policy)
+    guard = policy.new_guard()
+    # K = 0: HF's loop asks for no candidate, every round is a plain target step. A guarded drafter gets a live
+    # budget (K, or 0 while the guard pauses; it is written as K).
+    generation_config.num_assistant_tokens = policy.max_window if guard is None else WindowBudget(policy.max_window,
+                                                                                                  guard)
+    generation_config.num_assistant_tokens_schedule = "constant"
+    generation_config.assistant_confidence_threshold = 0.0
+    data = policy_dict(policy)
+    if vocab_size is None:  # keep what the config already says (e.g. re-saving a loaded drafter)
+        vocab_size = (getattr(generation_config, GENERATION_CONFIG_KEY, None) or {}).get("vocab_size")
+    if vocab_size is not None:
+        data["vocab_size"] = int(vocab_size)
+    setattr(generation_config, GENERATION_CONFIG_KEY, data)
+    return generation_config

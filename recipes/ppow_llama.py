@@ -16,10 +16,12 @@ import copy
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
+
+import ppow_trl  # noqa: F401  (first: its import silences bitsandbytes' missing-`kernels` warning)
 from transformers import AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
 from trl import ModelConfig, TrlParser, get_peft_config
@@ -28,12 +30,9 @@ from ppow_trl import KDConfig, KDTrainer, PPOWConfig, PPOWTrainer
 from ppow_trl.assisted import save_assistant
 from ppow_trl.bench import BenchDrafter, run_benchmark
 from ppow_trl.calibration import held_out_contexts
-from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts
-from ppow_trl.dflash import choose_mask_token_id, detect_dflash_format, dflash_from_target, export_dflash, import_dflash
-from ppow_trl.dflash.assisted import load_block_drafter
-from ppow_trl.drafting import target_layer_ids
-from ppow_trl.eagle3 import Eagle3DrafterForCausalLM, compute_target_features, export_eagle3
-from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target, make_drafter
+from ppow_trl.data import build_target_responses, compute_target_features, compute_target_topk, load_prompts
+from ppow_trl.drafting import get_family
+from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target
 from ppow_trl.model_card import PROTOCOL
 from ppow_trl.serving import calibrate_for_serving
 from ppow_trl.utils import cache_root, set_cpu_threads
@@ -116,15 +115,25 @@ class PPOWScriptArguments:
     """
 
     target_model: str = field(default=OFFLINE_TARGET, metadata={"help": "Target: Hub id, path, or the offline SmolLM2."})
-    drafter_model: str | None = field(default=None, metadata={"help": "Pretrained drafter; default: truncated target."})
-    drafter_layers: int = field(default=2, metadata={"help": "Layers of the truncated-target drafter."})
-    drafter_type: str = field(default="standalone", metadata={"help": "standalone | eagle3 | dflash"})
-    dflash_checkpoint: str | None = field(default=None, metadata={"help": "DFlash drafter to start from (any layout)."})
-    dflash_block_size: int = field(default=8, metadata={"help": "Positions per DFlash block (anchor + drafted slots)."})
-    dflash_layers: int = field(default=2, metadata={"help": "Decoder layers of a fresh DFlash drafter."})
-    dflash_mask_token_id: int | None = field(default=None, metadata={"help": "Mask token of a fresh DFlash drafter."})
-    eagle3_checkpoint: str | None = field(default=None, metadata={"help": "EAGLE-3 head to start from (any layout)."})
-    eagle3_layer_ids: list[int] | None = field(default=None, metadata={"help": "Target hidden states the head reads."})
+    drafter_model: str | None = field(default=None, metadata={
+        "help": "Pretrained drafter; default: truncated target."})
+    drafter_layers: int = field(default=2, metadata={
+        "help": "Layers of the truncated-target drafter."})
+    drafter_type: str = field(default="standalone", metadata={
+        "help": "The drafter family (ppow_trl.drafting): standalone | eagle3 | dflash"})
+    # The family fields (FAMILY_FIELDS below) belong to one drafter family each.
+    dflash_checkpoint: str | None = field(default=None, metadata={
+        "help": "DFlash drafter to start from (any layout)."})
+    dflash_block_size: int = field(default=8, metadata={
+        "help": "Positions per DFlash block (anchor + drafted slots)."})
+    dflash_layers: int = field(default=2, metadata={
+        "help": "Decoder layers of a fresh DFlash drafter."})
+    dflash_mask_token_id: int | None = field(default=None, metadata={
+        "help": "Mask token of a fresh DFlash drafter."})
+    eagle3_checkpoint: str | None = field(default=None, metadata={
+        "help": "EAGLE-3 head to start from (any layout)."})
+    eagle3_layer_ids: list[int] | None = field(default=None, metadata={
+        "help": "Target hidden states the head reads."})
     ttt_steps: int = field(default=3, metadata={"help": "Training-time-test steps of the EAGLE-3 KD warm start."})
     export_format: str | None = field(default=None, metadata={
         "help": "specforge | speculators (EAGLE-3 export); zlab | speculators (DFlash export)."})
@@ -143,16 +152,15 @@ class PPOWScriptArguments:
     cache_dir: str | None = field(default=None, metadata={"help": "Cache of regenerated data."})
 
     def __post_init__(self):
-        if self.drafter_type not in ("standalone", "eagle3", "dflash"):
-            raise ValueError(f"drafter_type must be 'standalone', 'eagle3' or 'dflash', got {self.drafter_type!r}.")
-        if self.drafter_type != "eagle3" and (self.eagle3_checkpoint or self.eagle3_layer_ids):
-            raise ValueError("eagle3_checkpoint / eagle3_layer_ids need drafter_type: eagle3.")
-        if self.drafter_type != "dflash" and self.dflash_checkpoint:
-            raise ValueError("dflash_checkpoint needs drafter_type: dflash.")
-        formats = {"eagle3": ("specforge", "speculators"), "dflash": ("zlab", "speculators")}.get(self.drafter_type, ())
-        if self.export_format is not None and self.export_format not in formats:
-            raise ValueError(f"export_format {self.export_format!r} does not apply to drafter_type "
-                             f"{self.drafter_type!r} (allowed: {list(formats) or 'none'}).")
+        family = get_family(self.drafter_type)  # an unknown name fails here, listing the registered families
+        if not family.trainable:
+            raise ValueError(f"drafter_type {self.drafter_type!r} has no parameters to train: benchmark it with "
+                             f"`python -m ppow_trl.bench --family {self.drafter_type}`.")
+        for item in fields(self):
+            owner, _ = FAMILY_FIELDS.get(item.name, (None, None))
+            if owner is not None and owner != self.drafter_type and getattr(self, item.name) != item.default:
+                raise ValueError(f"{item.name} belongs to drafter_type: {owner}, not {self.drafter_type}.")
+        family.check_export_format(self.export_format)
         if not 0.0 < self.calibration_fraction < 1.0:
             raise ValueError(f"calibration_fraction must lie in (0, 1), got {self.calibration_fraction}.")
         if self.kd_steps < 0 or self.kd_batch_size < 1 or self.kd_save_steps < 0 or self.kd_learning_rate <= 0:
@@ -160,6 +168,45 @@ class PPOWScriptArguments:
                              f"got {self.kd_steps}, {self.kd_save_steps}, {self.kd_batch_size}, {self.kd_learning_rate}.")
         if self.num_train_prompts < 2:
             raise ValueError(f"num_train_prompts must be >= 2 (training and calibration), got {self.num_train_prompts}.")
+
+
+    def family_options(self) -> dict:
+        """The chosen family's ``DrafterFamily.build`` options, from its fields (``FAMILY_FIELDS``)."""
+        return {option: getattr(self, name) for name, (owner, option) in FAMILY_FIELDS.items()
+                if owner == self.drafter_type and option is not None}
+
+    def family_source(self) -> tuple[str, object]:
+        """The field a bad drafter is blamed on: the family's checkpoint, else its first field set away from the
+        default (e.g. ``drafter_model``), else ``drafter_type``."""
+        name, value = self.family_checkpoint()
+        if name is not None:
+            return name, value
+        defaults = {item.name: item.default for item in fields(self)}
+        for name, (owner, _) in FAMILY_FIELDS.items():
+            if owner == self.drafter_type and getattr(self, name) != defaults[name]:
+                return name, getattr(self, name)
+        return "drafter_type", self.drafter_type
+
+    def family_checkpoint(self) -> tuple[str | None, str | None]:
+        """``(field name, value)`` of the chosen family's checkpoint field when set, else ``(None, None)``."""
+        for name, (owner, option) in FAMILY_FIELDS.items():
+            if owner == self.drafter_type and option is None and getattr(self, name):
+                return name, getattr(self, name)
+        return None, None
+
+
+FAMILY_FIELDS: dict[str, tuple[str, str | None]] = {
+    # field -> (the drafter family it belongs to, the DrafterFamily.build option it sets; None: the checkpoint a
+    # drafter is loaded from, in any layout the family imports)
+    "drafter_model": ("standalone", "pretrained"),
+    "drafter_layers": ("standalone", "num_layers"),
+    "eagle3_checkpoint": ("eagle3", None),
+    "eagle3_layer_ids": ("eagle3", "target_layer_ids"),
+    "dflash_checkpoint": ("dflash", None),
+    "dflash_block_size": ("dflash", "block_size"),
+    "dflash_layers": ("dflash", "num_layers"),
+    "dflash_mask_token_id": ("dflash", "mask_token_id"),
+}
 
 
 def _named(field_name: str, value, build):
@@ -197,29 +244,23 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     calibration_data = data.select(range(len(data) - num_calibration, len(data)))
     logger.info("%d target responses for training, %d held out for calibration", len(train_data), len(calibration_data))
 
+    family = get_family(script_args.drafter_type)  # what the drafter is: built, trained, saved by its family
     draft_vocab = None
-    if script_args.draft_vocab_size:
+    if script_args.draft_vocab_size and family.reduced_head:
         draft_vocab = build_draft_vocab(train_data["response_ids"], script_args.draft_vocab_size, vocab,
                                         always_include=tokenizer.all_special_ids)
         logger.info("Draft vocabulary of %d ids covers %.1f%% of the held-out target tokens", len(draft_vocab),
                     100 * draft_vocab_coverage(draft_vocab, calibration_data["response_ids"]))
-    if script_args.drafter_type == "eagle3":
-        drafter = _named("eagle3_checkpoint", script_args.eagle3_checkpoint, lambda: make_eagle3_drafter(
-            target, script_args, draft_vocab))
-    elif script_args.drafter_type == "dflash":  # full vocabulary: it drafts through the target's own head
-        drafter = _named("dflash_checkpoint", script_args.dflash_checkpoint, lambda: make_dflash_drafter(
-            target, tokenizer, script_args))
-    else:
-        drafter = _named("drafter_model", script_args.drafter_model, lambda: make_drafter(
-            target, num_layers=None if script_args.drafter_model else script_args.drafter_layers,
-            pretrained=script_args.drafter_model, draft_vocab_ids=draft_vocab, target_tokenizer=tokenizer))
+    _, checkpoint = script_args.family_checkpoint()
+    drafter = _named(*script_args.family_source(), lambda: make_family_drafter(family, target, tokenizer, script_args,
+                                                                               draft_vocab))
 
     if script_args.kd_steps:
         # shared by the processes like the responses
         topk = compute_target_topk(target, train_data, top_k=32, batch_size=8, cache_dir=cache / "topk")
-        if script_args.drafter_type != "standalone":  # the drafter's inputs, computed once (float16, cached)
-            topk = compute_target_features(target, topk, target_layer_ids(drafter), batch_size=8,
-                                           cache_dir=cache / "features")
+        layer_ids = family.target_layer_ids(drafter)
+        if layer_ids is not None:  # the drafter's inputs, computed once (float16, cached)
+            topk = compute_target_features(target, topk, layer_ids, batch_size=8, cache_dir=cache / "features")
         kd_dir = Path(training_args.output_dir) / "kd"
         saving = {"save_strategy": "steps", "save_steps": script_args.kd_save_steps, "save_total_limit": 2} \
             if script_args.kd_save_steps else {"save_strategy": "no"}
@@ -233,7 +274,7 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         resume = get_last_checkpoint(str(kd_dir)) if script_args.kd_save_steps and kd_dir.is_dir() else None
         if resume:
             logger.info("KD resumes from %s", resume)
-        embeddings = drafter.get_input_embeddings() if script_args.drafter_type == "standalone" else None
+        embeddings = _trainable_input_embeddings(drafter)
         if embeddings is not None:
             # The target's own embedding, kept as it is (as EAGLE's heads do): under several processes its dense
             # 49k x d gradient was most of each step's all-reduce, for rows most tokens never touch.
@@ -246,8 +287,8 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     # The held-out responses are the trainer's eval_dataset: eval_tau at eval_steps (if eval_strategy is set) and,
     # at the end of train(), the calibration of (K, h) in training_args.calibration_regime.
     peft_config = get_peft_config(model_args)
-    if peft_config is not None and script_args.drafter_type == "dflash":
-        peft_config.task_type = None  # a DFlash drafter is a base model (no LM head): PEFT's plain wrapper
+    if peft_config is not None:
+        peft_config.task_type = family.peft_task_type  # e.g. a DFlash drafter is a base model: PEFT's plain wrapper
     trainer = PPOWTrainer(model=drafter, target_model=target, args=training_args, train_dataset=train_data,
                           eval_dataset=calibration_data, processing_class=tokenizer, peft_config=peft_config)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -266,18 +307,14 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         if script_args.merge_adapter and standalone is not unwrapped:
             save_assistant(standalone, Path(training_args.output_dir) / "merged", policy=trainer.window_policy,
                            cost_model=trainer.cost_model, tokenizer=tokenizer)
-        if script_args.export_format and script_args.drafter_type == "dflash":
-            folder = Path(training_args.output_dir) / f"dflash-{script_args.export_format}"
-            export_dflash(standalone, folder, format=script_args.export_format, target=target)
-            logger.info("DFlash drafter exported in the %s layout to %s", script_args.export_format, folder)
-        elif script_args.export_format:
-            folder = Path(training_args.output_dir) / f"eagle3-{script_args.export_format}"
-            export_eagle3(standalone, folder, format=script_args.export_format)
-            logger.info("EAGLE-3 head exported in the %s layout to %s", script_args.export_format, folder)
+        if script_args.export_format:
+            folder = Path(training_args.output_dir) / f"{family.name}-{script_args.export_format}"
+            family.export(standalone, folder, format=script_args.export_format, target=target)
+            logger.info("%s exported in the %s layout to %s", family.description, script_args.export_format, folder)
         summary = evaluate_drafter(target, tokenizer, standalone, trainer, script_args, training_args)
         trainer.model_card_info = {
             "target": script_args.target_model,
-            "drafter": _drafter_description(script_args, drafter),
+            "drafter": family.describe(drafter) + (f", from {checkpoint}" if checkpoint else ""),
             "data": f"{len(train_data)} {script_args.train_prompts} prompts with responses regenerated by the target "
             f"(<= {script_args.max_new_tokens} tokens)"
             + (f"; KD warm start of {script_args.kd_steps} steps" if script_args.kd_steps else ""),
@@ -316,44 +353,23 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
     trainer.window_policy, trainer.cost_model = result
 
 
-def make_eagle3_drafter(target, script_args, draft_vocab):
-    """A fresh EAGLE-3 head for ``target`` (reduced vocabulary ``draft_vocab``), or the given checkpoint."""
-    if script_args.eagle3_checkpoint:
-        return Eagle3DrafterForCausalLM.from_pretrained(script_args.eagle3_checkpoint, target=target)
-    return Eagle3DrafterForCausalLM.from_target(target, draft_vocab_ids=draft_vocab,
-                                                target_layer_ids=script_args.eagle3_layer_ids,
-                                                target_name_or_path=script_args.target_model)
+def make_family_drafter(family, target, tokenizer, script_args, draft_vocab):
+    """The drafter the arguments ask for: the family's checkpoint (any layout it imports, a folder or a Hub id), else
+    a fresh one built from the target with the family's options (``PPOWScriptArguments.family_options``)."""
+    _, checkpoint = script_args.family_checkpoint()
+    if checkpoint:
+        return family.load(checkpoint, target=target)
+    return family.build(target, tokenizer, draft_vocab_ids=draft_vocab, target_name_or_path=script_args.target_model,
+                        **script_args.family_options())
 
 
-def make_dflash_drafter(target, tokenizer, script_args):
-    """A fresh DFlash block drafter for ``target`` (mask token chosen from the tokenizer), or the given checkpoint."""
-    if script_args.dflash_checkpoint:
-        folder = script_args.dflash_checkpoint
-        if not Path(folder).is_dir():  # a Hub repo id (e.g. a z-lab drafter)
-            from huggingface_hub import snapshot_download
-
-            folder = snapshot_download(folder)
-        if detect_dflash_format(folder) == "transformers":
-            return load_block_drafter(folder)
-        return import_dflash(folder, target=target)
-    mask = script_args.dflash_mask_token_id
-    return dflash_from_target(target, mask_token_id=choose_mask_token_id(tokenizer) if mask is None else mask,
-                              block_size=script_args.dflash_block_size, num_hidden_layers=script_args.dflash_layers,
-                              target_name_or_path=script_args.target_model)
-
-
-def _drafter_description(script_args, drafter) -> str:
-    if script_args.drafter_type == "dflash":
-        start = f"from {script_args.dflash_checkpoint}" if script_args.dflash_checkpoint else "fresh"
-        config = drafter.config
-        return (f"DFlash block drafter ({start}; {config.num_hidden_layers} layers, blocks of {config.block_size}, "
-                f"mask token {config.mask_token_id}) reading target layers {list(config.target_layer_ids)}")
-    if script_args.drafter_type == "eagle3":
-        start = f"from {script_args.eagle3_checkpoint}" if script_args.eagle3_checkpoint else "fresh"
-        return (f"EAGLE-3 head ({start}) reading target hidden states {drafter.config.target_layer_ids}, "
-                f"{drafter.config.draft_vocab_size}-token head")
-    return ((script_args.drafter_model or f"first {script_args.drafter_layers} layers of the target")
-            + (f", {script_args.draft_vocab_size}-token head" if script_args.draft_vocab_size else ""))
+def _trainable_input_embeddings(drafter):
+    """The drafter's own input embedding when it trains it (a truncated target's), else ``None``."""
+    try:
+        embeddings = drafter.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
+    return embeddings if embeddings is not None and embeddings.weight.requires_grad else None
 
 
 def evaluate_drafter(target, tokenizer, drafter, trainer, script_args, training_args) -> list[dict]:
@@ -377,6 +393,29 @@ def make_parser() -> TrlParser:
     return TrlParser((PPOWScriptArguments, PPOWConfig, ModelConfig))
 
 
+def config_error(argv: list[str]) -> str | None:
+    """A one-line message when ``argv``'s ``--config`` names no readable file (None when it does, or is absent)."""
+    if "--config" not in argv:
+        return None
+    index = argv.index("--config")
+    path = argv[index + 1] if index + 1 < len(argv) else None
+    if path is not None and Path(path).is_file():
+        return None
+    configs = DEFAULT_CONFIG.parent
+    shown = os.path.relpath(configs)
+    shown = str(configs) if shown.startswith("..") else shown
+    names = ", ".join(sorted(config.name for config in configs.glob("*.yaml")))
+    found = "needs the path of a YAML file" if path is None else f"{path}: no such file"
+    return (f"--config {found}. Pass one of the shipped configs in {shown}{os.sep} ({names}), your own YAML, "
+            "or no --config for the offline default.")
+
+
+def exit_on_bad_arguments(message: str) -> None:
+    """Stop before anything is loaded: the message on stderr, exit status 2 (argparse's for bad arguments)."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         # On a CPU-only machine the processes of `accelerate launch` / torchrun form one gloo world only on the CPU
@@ -385,5 +424,10 @@ if __name__ == "__main__":
     parser = make_parser()
     if len(sys.argv) == 1:  # `accelerate launch recipes/ppow_llama.py` runs the offline default
         sys.argv += ["--config", str(DEFAULT_CONFIG)]
-    script_args, training_args, model_args = parser.parse_args_and_config()
+    if (message := config_error(sys.argv[1:])) is not None:
+        exit_on_bad_arguments(message)
+    try:  # every field is checked here (PPOWScriptArguments', PPOWConfig's __post_init__), before any model loads
+        script_args, training_args, model_args = parser.parse_args_and_config()
+    except ValueError as error:
+        exit_on_bad_arguments(str(error))
     main(script_args, training_args, model_args)

@@ -11,7 +11,8 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, set_seed
 
 from ppow_trl.data import build_target_responses, compute_target_topk
-from ppow_trl.eagle3 import Eagle3DrafterForCausalLM, compute_target_features, context_features, target_features
+from ppow_trl.data import compute_target_features
+from ppow_trl.eagle3 import Eagle3DrafterForCausalLM, context_features, target_features
 from ppow_trl.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.rollout import draft_windows, target_window_probs
@@ -319,7 +320,10 @@ def test_specforge_checkpoint_imports_with_its_own_math(tmp_path):
     save_file(weights, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(__import__("json").dumps(config))
 
-    drafter = Eagle3DrafterForCausalLM.from_pretrained(tmp_path, target=target)
+    from ppow_trl.drafting import load_drafter
+
+    drafter = load_drafter(tmp_path, target=target)  # the family recognises SpecForge's layout and imports it
+    assert isinstance(drafter, Eagle3DrafterForCausalLM)
     assert drafter.config.target_layer_ids == [2, 3, 6]  # SpecForge's layer k output = hidden_states[k + 1]
     assert drafter.draft_vocab_ids.tolist() == used.tolist()
     sequence = torch.randint(4, 60, (1, 10), generator=g)

@@ -20,7 +20,7 @@ from ppow_trl.assisted import load_assistant, save_assistant
 from ppow_trl.calibration import calibrate_policy
 from ppow_trl.cost import CostModel
 from ppow_trl.custom_generate.generate import SpeculationGuard, WindowBudget, guard_of
-from ppow_trl.windowing import AdaptiveWindowPolicy, calibrate_window_policy
+from ppow_trl.windowing import AdaptiveWindowPolicy, search_window_grid
 
 GUARD = {"break_even_tokens": 1.5, "window": 3, "probe_every": 4}
 
@@ -162,11 +162,11 @@ def test_grid_search_chooses_no_speculation_when_nothing_pays():
     prefix[:10, 0] = 1.0  # the first token is accepted 20% of the time
     cheap = CostModel(drafter_cost=0.02, verify_cost=[1.0, 1.02, 1.1, 1.2])
     costly = CostModel(drafter_cost=0.1, verify_cost=[1.0, 1.6, 1.8, 2.0])
-    policy, _ = calibrate_window_policy(confidences, prefix, cheap, allow_no_speculation=True)
+    policy, _ = search_window_grid(confidences, prefix, cheap, allow_no_speculation=True)
     assert policy.max_window == 1  # 1.2 tokens for 1.04 steps
-    policy, grid = calibrate_window_policy(confidences, prefix, costly, allow_no_speculation=True)
+    policy, grid = search_window_grid(confidences, prefix, costly, allow_no_speculation=True)
     assert policy.max_window == 0 and max(row["speedup"] for row in grid if row["max_window"]) < 1.0
-    policy, _ = calibrate_window_policy(confidences, prefix, costly)
+    policy, _ = search_window_grid(confidences, prefix, costly)
     assert policy.max_window >= 1  # without the option the best speculative rule is kept
 
 

@@ -183,3 +183,63 @@ def test_dflash_pipeline_runs_on_tiny_models(tmp_path):
         torch.testing.assert_close(
             anchored_block_hidden(exported, target.get_input_embeddings(), features, ids[:, [3, 5]], anchors),
             anchored_block_hidden(stock, target.get_input_embeddings(), features, ids[:, [3, 5]], anchors))
+
+
+# ------------------------------------------------------------------------------------- bad input, as a user types it
+
+
+def test_missing_config_fails_at_once_naming_the_file_and_the_shipped_configs(tmp_path):
+    """`--config missing.yaml`: one line naming the file and the configs to pick from, no traceback, no model."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, str(RECIPES / "ppow_llama.py"), "--config", "missing.yaml"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "missing.yaml" in last and "no such file" in last and "offline_smollm2.yaml" in last, run.stderr
+    assert not run.stdout
+
+    message = ppow_llama.config_error(["--max_steps", "2", "--config", str(tmp_path / "missing.yaml")])
+    assert str(tmp_path / "missing.yaml") in message and "\n" not in message
+    assert all(config.name in message for config in (RECIPES / "configs").glob("*.yaml"))
+    assert "--config" in ppow_llama.config_error(["--config"])  # no path after it
+    assert ppow_llama.config_error(["--config", str(ppow_llama.DEFAULT_CONFIG)]) is None
+    assert ppow_llama.config_error(["--max_steps", "2"]) is None
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--learning_rate", "-1"], "learning_rate"),
+    (["--learning_rate", "0"], "learning_rate"),
+    (["--max_steps", "0"], "max_steps"),
+    (["--max_steps", "-3"], "max_steps"),
+    (["--num_train_epochs", "0"], "num_train_epochs"),
+    (["--num_generations", "0"], "num_generations"),
+    (["--per_device_train_batch_size", "0"], "per_device_train_batch_size"),
+    (["--gradient_accumulation_steps", "0"], "gradient_accumulation_steps"),
+    (["--num_iterations", "0"], "num_iterations"),
+    (["--weight_decay", "-0.1"], "weight_decay"),
+    (["--max_grad_norm", "-1"], "max_grad_norm"),
+    (["--beta", "-0.1"], "beta"),
+    (["--epsilon", "0"], "epsilon"),
+])
+def test_bad_training_numbers_fail_at_parse_time_naming_the_field(tmp_path, flags, field):
+    args = ["--output_dir", str(tmp_path / "out"), "--report_to", "none"] + flags
+    with pytest.raises(ValueError, match=rf"Invalid PPOWConfig:(.|\n)*- {field} .*got"):
+        ppow_llama.make_parser().parse_args_and_config(args=args)
+
+
+def test_negative_learning_rate_stops_the_script_before_any_data(tmp_path, monkeypatch, capsys):
+    """The script's own entry point: a clear error and exit code 2 from the arguments alone (nothing is loaded)."""
+    import runpy
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # what the entry point sets on a CPU machine, undone after
+    monkeypatch.setattr(sys, "argv", ["ppow_llama.py", "--learning_rate", "-1", "--output_dir", str(tmp_path / "o")])
+    import ppow_trl.models  # the entry point's fresh namespace imports load_target from here
+
+    monkeypatch.setattr(ppow_trl.models, "load_target", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(RECIPES / "ppow_llama.py"), run_name="__main__")
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "learning_rate must be > 0, got -1.0" in error and "Traceback" not in error
+    assert not (tmp_path / "o").exists()

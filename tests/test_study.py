@@ -121,7 +121,7 @@ def test_sampled_records_match_the_live_loop_in_expectation():
 
 
 def test_training_budget_stops_probes_and_runs_milestones(tmp_path):
-    from transformers import set_seed
+    from transformers import TrainerCallback, set_seed
 
     from ppow_trl.data import build_target_responses, compute_target_topk
     from ppow_trl.kd_trainer import KDConfig, KDTrainer
@@ -133,19 +133,36 @@ def test_training_budget_stops_probes_and_runs_milestones(tmp_path):
     rows = [{"id": str(i), "messages": [{"role": "user", "content": f"w{i} w{i + 1}"}]} for i in range(8)]
     data = compute_target_topk(target, build_target_responses(target, tokenizer, Dataset.from_list(rows),
                                                               max_new_tokens=8, batch_size=8), top_k=8)
-    probes, saved = [], []
+    probes, saved, step_ends = [], [], []
     budget = TrainingBudget(1.0, probe=lambda model: probes.append(model.training) or {"value": len(probes)},
                             probe_every=0.3, milestones={0.5: lambda model: saved.append(budget.elapsed)})
+
+    class StepLog(TrainerCallback):  # runs after `budget`: the budget's step time at the end of every step
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append((state.global_step, budget.elapsed))
+
     args = KDConfig(output_dir=str(tmp_path), max_steps=10**6, per_device_train_batch_size=4, report_to="none",
                     save_strategy="no", disable_tqdm=True, use_cpu=True, logging_steps=10**6)
     trainer = KDTrainer(make_drafter(target, num_layers=1).train(), args, train_dataset=data,
-                        processing_class=tokenizer, callbacks=[budget])
+                        processing_class=tokenizer, callbacks=[budget, StepLog()])
     trainer.train()
-    assert 1.0 <= budget.elapsed < 3.0 and trainer.state.global_step < 10**6
+    # The budget, not max_steps, ended training, at the first step whose accumulated step time reached 1 s
+    # (no wall-clock bound: how many steps that takes depends on the machine's load).
+    steps, elapsed = [step for step, _ in step_ends], [seconds for _, seconds in step_ends]
+    assert 0 < trainer.state.global_step < 10**6 and steps == list(range(1, trainer.state.global_step + 1))
+    assert all(later > earlier for earlier, later in zip(elapsed, elapsed[1:]))  # every step adds time
+    assert elapsed[-1] == budget.elapsed >= 1.0 and all(seconds < 1.0 for seconds in elapsed[:-1])
     history = budget.history
-    assert history[0]["train_seconds"] == 0 and history[-1]["train_seconds"] >= 1.0
-    assert [row["value"] for row in history] == list(range(1, len(history) + 1)) and len(history) >= 4
-    assert all(later["step"] >= earlier["step"] for earlier, later in zip(history, history[1:]))
+    assert history[0]["train_seconds"] == 0 and history[0]["step"] == 0
+    assert history[-1]["train_seconds"] >= 1.0 and history[-1]["step"] == trainer.state.global_step
+    assert [row["value"] for row in history] == list(range(1, len(history) + 1))
+    assert all(later["step"] > earlier["step"] for earlier, later in zip(history, history[1:]))
+    assert all(later["train_seconds"] >= earlier["train_seconds"] for earlier, later in zip(history, history[1:]))
+    # A probe every time the step time crosses a multiple of 0.3 s (several multiples crossed in one step: one
+    # probe), besides the first and the last row: counted from the step times the log recorded.
+    before_stop = [0.0] + elapsed[:-1]
+    crossings = sum(int(later // 0.3) > int(earlier // 0.3) for earlier, later in zip(before_stop, before_stop[1:]))
+    assert len(history) == 2 + crossings
     assert len(saved) == 1 and saved[0] >= 0.5
     with pytest.raises(ValueError, match="> 0 seconds"):
         TrainingBudget(0)
@@ -195,11 +212,13 @@ def test_report_is_generated_from_the_json_and_replaces_its_section(tmp_path):
 def test_each_drafter_family_has_its_own_warm_start():
     """PPOW arms continue their own family's KD arm (never another family's), and the report lists each warm
     start before the PPOW arms that use it."""
+    from ppow_trl.drafting import family_names
     from ppow_trl.study.arms import ARMS, ORDER, warm_start_of
     from ppow_trl.study.report import ARM_ORDER
 
     for name, arm in ARMS.items():
-        assert arm.drafter in ("truncated", "eagle3", "dflash")
+        assert arm.family in family_names() and (arm.kind == "eval") == (arm.drafter not in ("truncated", "eagle3",
+                                                                                             "dflash"))
         if arm.starts_from_warm:
             assert ARMS[arm.kd_arm].drafter == arm.drafter and ORDER.index(arm.kd_arm) < ORDER.index(name)
             assert ARM_ORDER.index(warm_start_of(arm.drafter)) < ARM_ORDER.index(name)

@@ -9,7 +9,7 @@ from ppow_trl.cost import CostModel
 from ppow_trl.rewards import kl_divergence
 from ppow_trl.windowing import (
     AdaptiveWindowPolicy,
-    calibrate_window_policy,
+    search_window_grid,
     divergence_scores,
     policy_speedup,
     sample_window_starts,
@@ -118,6 +118,6 @@ def test_policy_speedup_and_calibration_pick_the_best_threshold():
     want_adaptive = (50 * 6 + 50 * 1) / (50 * (5 * 0.3 + 2.2) + 50 * (0.3 + 1.4))
     assert fixed.item() == pytest.approx(want_fixed, rel=1e-5)
     assert adaptive.item() == pytest.approx(want_adaptive, rel=1e-5)
-    best, grid = calibrate_window_policy(conf, prefix, cost)
+    best, grid = search_window_grid(conf, prefix, cost)
     assert best.max_window == 5 and 0.3 < best.threshold <= 0.95
     assert max(row["speedup"] for row in grid) == pytest.approx(adaptive.item(), rel=1e-5)

@@ -12,10 +12,7 @@ import torch
 
 from ..cost import CostModel, calibrate_cost_model
 from ..data import PROMPT_SOURCES, encode_prompt, load_prompts
-from ..dflash import detect_dflash_format, import_dflash
-from ..dflash.assisted import load_block_drafter
-from ..drafting import drafter_family
-from ..eagle3 import detect_format, import_eagle3
+from ..drafting import detect_family, family_names, get_family
 from ..models import check_compatibility, load_target, make_drafter
 from ..utils import set_cpu_threads
 from ..windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
@@ -36,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="drafter folder (repeatable); its ppow_window_policy.json gives K and h")
     parser.add_argument("--drafter-layers", type=int, action="append", default=[], metavar="N",
                         help="truncated drafter: the target's first N layers (repeatable; default 2 if no --drafter)")
+    parser.add_argument("--family", action="append", default=[], metavar="NAME",
+                        help="a drafter its family builds from the target with no training (repeatable), e.g. "
+                        "prompt_lookup; families: " + ", ".join(family_names()))
     parser.add_argument("--max-window", type=int, default=6, help="K for drafters without a saved policy")
     parser.add_argument("--threshold", type=float, default=0.4, help="h for drafters without a saved policy")
     parser.add_argument("--prompts", default="mtbench", help=f"one of {PROMPT_SOURCES} or a .jsonl file")
@@ -67,11 +67,14 @@ def parse_args(argv=None):
             parser.error(f"--drafter {path}: no such folder (a drafter saved by ppow_trl / save_pretrained).")
     if any(n <= 0 for n in args.drafter_layers):
         parser.error("--drafter-layers must be positive.")
+    for name in args.family:
+        if name not in family_names():
+            parser.error(f"--family {name}: not a registered drafter family ({family_names()}).")
     try:
         AdaptiveWindowPolicy(max_window=args.max_window, threshold=args.threshold)
     except ValueError as error:
         parser.error(str(error))
-    if not args.drafter and not args.drafter_layers:
+    if not args.drafter and not args.drafter_layers and not args.family:
         args.drafter_layers = [2]
     return args
 
@@ -91,18 +94,9 @@ def _load_drafters(args, target, tokenizer, dtype) -> list[BenchDrafter]:
     default_policy = AdaptiveWindowPolicy(max_window=args.max_window, threshold=args.threshold)
     for path in args.drafter:
         device = next(target.parameters()).device
-        block_layout = detect_dflash_format(path)
-        if block_layout == "transformers":  # a DFlash drafter saved by save_pretrained / save_assistant
-            model = load_block_drafter(path, dtype=dtype).to(device)
-        elif block_layout:  # z-lab's or speculators' DFlash layout
-            model = import_dflash(path, target=target).to(device=device, dtype=dtype)
-        elif detect_format(path):  # an EAGLE-3 head in SpecForge's or speculators' layout
-            model = import_eagle3(path, target=target).to(device=device, dtype=dtype)
-        else:
-            model = load_target(path, torch_dtype=dtype).to(device)
-        family = {"block": "DFlash block", "chain": "feature-conditioned (EAGLE-3)",
-                  "standalone": "standalone"}[drafter_family(model)]
-        print(f"[bench] {path}: {type(model).__name__}, {family} drafter", file=sys.stderr)
+        family, layout = detect_family(path)  # any family, any layout it imports
+        model = family.load(path, target=target).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        print(f"[bench] {path}: {type(model).__name__}, {family.description} ({layout} layout)", file=sys.stderr)
         has_policy = (Path(path) / WINDOW_POLICY_FILE).is_file()
         policy = AdaptiveWindowPolicy.from_pretrained(path) if has_policy else default_policy
         if not has_policy:
@@ -117,6 +111,10 @@ def _load_drafters(args, target, tokenizer, dtype) -> list[BenchDrafter]:
         model = make_drafter(source, num_layers=layers).requires_grad_(False)
         drafters.append(BenchDrafter(f"layers{layers}", model, default_policy,
                                      source=f"first {layers} layers of the target (untrained)"))
+    for name in args.family:
+        family = get_family(name)
+        model = family.build(target, tokenizer).eval().requires_grad_(False)
+        drafters.append(BenchDrafter(name, model, default_policy, source=family.describe(model)))
     for drafter in drafters:
         check_compatibility(target, drafter.model, tokenizer)
     return drafters

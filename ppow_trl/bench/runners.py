@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..cost import CostModel
+from ..drafting import family_of
 from ..generation import speculative_generate
 from ..windowing import AdaptiveWindowPolicy
 
@@ -104,23 +105,22 @@ class _Runner:
 
     def reset(self) -> None:
         """Fresh HF window settings (HF's heuristic K persists across calls otherwise)."""
-        if self.method in HF_SCHEDULES and not _is_block(self.drafter):
+        if self.method in HF_SCHEDULES and not _native_kwargs(self.drafter):
             self.hf_config = _assistant_config(self.drafter, *HF_SCHEDULES[self.method])
 
     def __call__(self, input_ids, do_sample: bool, max_new_tokens: int, seed: int):
         if self.method in FAST_METHODS:
             return self._fast(input_ids, do_sample, max_new_tokens, seed)
         kwargs = {}
-        if self.method in HF_SCHEDULES and _is_block(self.drafter):
-            # stock transformers' DFlash route: the fixed block (block_size - 1 tokens per round)
-            kwargs.update(assistant_model=self.drafter.model, speculation_type="dflash")
+        if self.method in HF_SCHEDULES and _native_kwargs(self.drafter):
+            # the family's own route in stock transformers (DFlash: the fixed block of block_size - 1 tokens)
+            kwargs.update(assistant_model=self.drafter.model, **_native_kwargs(self.drafter))
         elif self.method in HF_SCHEDULES:
             self.drafter.model.generation_config = self.hf_config  # HF reads the window options from here
             kwargs["assistant_model"] = self.drafter.model
         elif self.method == "hook":
             kwargs["assistant_model"] = self.assistant
-            if _is_block(self.drafter):
-                kwargs["speculation_type"] = "dflash"  # with load_assistant's adaptive window
+            kwargs.update(_native_kwargs(self.drafter))  # with load_assistant's adaptive window
         elif self.method == "prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = self.k
         torch.manual_seed(seed)
@@ -150,10 +150,9 @@ class _Runner:
         return out.new_tokens, extra
 
 
-def _is_block(drafter: BenchDrafter | None) -> bool:
-    from ..drafting import drafter_family
-
-    return drafter is not None and drafter_family(drafter.model) == "block"
+def _native_kwargs(drafter: BenchDrafter | None) -> dict:
+    """The ``target.generate`` arguments of the drafter family's own transformers route (empty: HF's assistant)."""
+    return {} if drafter is None else dict(family_of(drafter.model).hf_generate_kwargs)
 
 
 def applies(method: str, drafter: BenchDrafter | None) -> bool:
@@ -161,13 +160,10 @@ def applies(method: str, drafter: BenchDrafter | None) -> bool:
     causal LM, which a chain drafter reading the target's hidden states cannot do (it runs as ``hook`` and
     ``fast_*``). A DFlash block drafter runs ``hf_assisted`` as stock transformers' ``speculation_type="dflash"``
     (the fixed block); HF's other schedules do not exist for it."""
-    from ..drafting import reads_target_features
-
     if drafter is None or method not in HF_SCHEDULES:
         return True
-    if _is_block(drafter):
-        return method == "hf_assisted"
-    return not reads_target_features(drafter.model)
+    allowed = family_of(drafter.model).hf_methods
+    return allowed is None or method in allowed
 
 
 def _make_runners(methods, drafters, target, stop_ids, pad_id, vocab_size, assistants, lookup_k):
@@ -201,10 +197,5 @@ def _hook_assistant(drafter: BenchDrafter, tokenizer, folder: Path, target=None)
 
 def close_assistant(assistant) -> None:
     """Remove the target hooks of a feature-conditioned assistant (a no-op for the others)."""
-    tap = getattr(assistant, "_ppow_feature_tap", None)
-    if tap is not None:
-        tap.remove()
-    window = getattr(assistant, "_ppow_block_window", None)  # a DFlash drafter's window hook
-    if window is not None:
-        window.remove()
+    family_of(assistant).detach(assistant)
 

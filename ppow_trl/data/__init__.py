@@ -57,10 +57,13 @@ from .responses import (
     stop_token_ids,
     truncate_at_stop,
 )
+from .features import compute_target_features, feature_bytes
 from .topk import compute_target_topk
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
+    "compute_target_features",
+    "feature_bytes",
     "DEFAULT_CHUNK_SIZE",
     "MESSAGES_FEATURE",
     "MTBENCH_FILE",

@@ -21,7 +21,7 @@ Which calls get which window:
   speculation_type="dflash")``: the adaptive window saved with the drafter (``ppow_window_policy.json``).
 - ``AutoModel.from_pretrained(folder)`` without ppow_trl (stock transformers, no remote code), same call: the fixed
   block of ``block_size - 1`` tokens.
-- ``ppow_trl.speculative_generate`` and the benchmark: the policy they are given (``ppow_trl.drafting.BlockSession``
+- ``ppow_trl.speculative_generate`` and the benchmark: the policy they are given (``ppow_trl.dflash.session.BlockSession``
   pauses the hook, it applies the rule itself).
 """
 
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from ..windowing import AdaptiveWindowPolicy
+from .modeling import check_target
 
 MODEL_TYPE = "muse_glimmer_assistant"
 
@@ -90,8 +91,6 @@ class BlockWindow:
 
 def attach_block_window(drafter, target, policy: AdaptiveWindowPolicy, vocab_size: int | None = None) -> BlockWindow:
     """Install ``policy`` on ``drafter`` for the native route (replacing a previous one); returns the hook."""
-    from .modeling import check_target
-
     check_target(drafter, target)
     previous = getattr(drafter, "_ppow_block_window", None)
     if previous is not None:

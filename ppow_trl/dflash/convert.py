@@ -111,7 +111,11 @@ def detect_dflash_format(folder) -> str | None:
     path = Path(folder) / "config.json"
     if not path.is_file():
         return None
-    config = json.loads(path.read_text())
+    return layout_of_config(json.loads(path.read_text()))
+
+
+def layout_of_config(config: dict) -> str | None:
+    """The DFlash layout a ``config.json`` describes: ``"zlab"``, ``"speculators"``, ``"transformers"`` or ``None``."""
     if config.get("speculators_model_type") == "dflash":
         return "speculators"
     if config.get("model_type") == MuseGlimmerAssistantConfig.model_type:

@@ -11,7 +11,7 @@ by the context, so a prefix of the block is a valid speculative-sampling proposa
 ``anchored_block_hidden`` is the one uncached forward over many blocks at once (each with its own anchor and
 context prefix, through a block mask): KD's anchored-block objective, teacher-forced windows (exact greedy tau),
 batched rollouts and PPOW's loss all call it. Generation runs the cached form (``DFlashCache``, one block per
-round) in ``ppow_trl.drafting.BlockSession``, the same calls transformers' ``DFlashTokenCandidateGenerator`` makes.
+round) in ``ppow_trl.dflash.session.BlockSession``, the same calls transformers' ``DFlashTokenCandidateGenerator`` makes.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from transformers import MuseGlimmerAssistantModel, PreTrainedModel
 
+from ..utils import unwrap_model
 from .configuration import dflash_config_for, hidden_state_indices
 
 
@@ -42,9 +43,13 @@ def dflash_from_target(
     config = dflash_config_for(target, mask_token_id=mask_token_id, block_size=block_size,
                                num_hidden_layers=num_hidden_layers, target_layer_ids=target_layer_ids,
                                target_name_or_path=target_name_or_path)
-    if seed is not None:
-        torch.manual_seed(seed)
-    drafter = MuseGlimmerAssistantModel(config).to(dtype=target.dtype, device=target.device)
+    # Built on the CPU; with a seed, from a forked CPU generator: the caller's global RNG state is left as it was
+    # (seed=None draws from the caller's stream). The same weights as a plain torch.manual_seed(seed) gave.
+    with torch.random.fork_rng(devices=[], enabled=seed is not None), torch.device("cpu"):
+        if seed is not None:
+            torch.default_generator.manual_seed(seed)
+        drafter = MuseGlimmerAssistantModel(config)
+    drafter = drafter.to(dtype=target.dtype, device=target.device)
     final_norm = getattr(target.get_decoder(), "norm", None)
     if final_norm is not None and getattr(final_norm, "weight", None) is not None:
         with torch.no_grad():
@@ -131,9 +136,7 @@ def anchored_block_hidden(
 
 
 def base_config(drafter):
-    from ..drafting import base_drafter
-
-    return base_drafter(drafter).config
+    return unwrap_model(drafter).config
 
 
 def feature_layers(drafter) -> list[int]:

@@ -3,25 +3,17 @@
 from .configuration_eagle3 import Eagle3DrafterConfig, default_target_layer_ids
 from .assisted import TargetFeatureTap, attach_to_target, chain_generate
 from .convert import detect_format, export_eagle3, import_eagle3
-from .features import context_features, select_features, target_features, target_forward
+# The target features are family-neutral (ppow_trl.features); re-exported here where users found them first.
+from ..features import context_features, select_features, target_features, target_forward
 from .modeling_eagle3 import ChainCache, Eagle3DrafterForCausalLM, Eagle3DrafterOutput
-
-
-def __getattr__(name):
-    # ppow_trl.eagle3.data imports ppow_trl.data, which the core modules must not import at load time
-    if name in ("compute_target_features", "feature_bytes"):
-        from . import data
-
-        return getattr(data, name)
-    raise AttributeError(name)
+from .session import ChainSession
 
 __all__ = [
     "ChainCache",
+    "ChainSession",
     "TargetFeatureTap",
     "attach_to_target",
     "chain_generate",
-    "compute_target_features",
-    "feature_bytes",
     "context_features",
     "detect_format",
     "export_eagle3",

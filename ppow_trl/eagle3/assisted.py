@@ -32,10 +32,10 @@ import contextlib
 import functools
 
 import torch
-from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-from ..custom_generate.generate import PPOWWindowCriteria, _applied_temperature, guard_of, ppow_window_policy
-from .features import target_features
+from ..assistant_loop import check_assistant_call, draft_window
+from ..features import target_features
+from ..windowing import configure_generation_config
+from .session import ChainSession
 
 
 class TargetFeatureTap:
@@ -111,10 +111,8 @@ def attach_to_target(drafter, target, policy=None, vocab_size: int | None = None
 
     Checks ``target`` is the one the drafter reads, registers the ``TargetFeatureTap`` and installs
     ``chain_generate``; ``policy`` (an ``AdaptiveWindowPolicy``) sets the window rule in the drafter's generation
-    config (``ppow_trl.assisted.configure_generation_config``), else the one it carries is used. Returns the tap.
+    config (``ppow_trl.windowing.configure_generation_config``), else the one it carries is used. Returns the tap.
     """
-    from ..assisted import configure_generation_config
-
     drafter.check_target(target)
     if policy is not None:
         configure_generation_config(drafter.generation_config, policy, vocab_size)
@@ -131,16 +129,10 @@ def attach_to_target(drafter, target, policy=None, vocab_size: int | None = None
 @torch.no_grad()
 def chain_generate(*args, model, input_ids=None, generation_config=None, logits_processor=None, max_new_tokens=None,
                    **kwargs):
-    """The EAGLE-3 drafter's ``generate`` as HF's assistant: one window after the committed ``input_ids``."""
-    from ..drafting import ChainSession
-
-    if generation_config is None or not getattr(generation_config, "is_assistant", False):
-        raise TypeError("An EAGLE-3 drafter only drafts for its target: call target.generate(..., assistant_model="
-                        "drafter) after ppow_trl.eagle3.attach_to_target (or ppow_trl.assisted.load_assistant(folder, "
-                        "target=target)).")
+    """The EAGLE-3 drafter's ``generate`` as HF's assistant: one window after the committed ``input_ids``
+    (``ppow_trl.assistant_loop.draft_window``), after catching its ``ChainSession`` up on the target's features."""
     input_ids = input_ids if input_ids is not None else args[0]
-    if input_ids.shape[0] != 1:
-        raise ValueError("EAGLE-3 assisted generation runs batch size 1.")
+    check_assistant_call(generation_config, input_ids, "EAGLE-3")
     tap = model._ppow_feature_tap
     sequence = input_ids[0].tolist()
     committed = len(sequence)
@@ -157,30 +149,5 @@ def chain_generate(*args, model, input_ids=None, generation_config=None, logits_
     session.features = []
     session.add_features(tap.features[session.pairs : committed - 1].to(model.device))
     logits = session.extend(sequence)
-
-    policy = ppow_window_policy(model)
-    do_sample = bool(getattr(generation_config, "do_sample", False))
-    rule = PPOWWindowCriteria(policy["max_window"], policy["threshold"], policy["confidence_temperature"], do_sample,
-                              _applied_temperature(generation_config, logits_processor, model) if do_sample else 1.0,
-                              policy["vocab_size"])
-    eos = generation_config.eos_token_id
-    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-    ids, scores = input_ids.to(model.device), []
-    limit = max_new_tokens if max_new_tokens is not None else policy["max_window"]
-    guard = guard_of(model)
-    if guard is not None:
-        guard.drafting_call(sequence)
-    while logits is not None and len(scores) < limit:
-        processed = logits_processor(ids, logits.float()) if logits_processor else logits.float()
-        token = (torch.multinomial(torch.softmax(processed, -1), 1) if do_sample else processed.argmax(-1, keepdim=True))
-        scores.append(processed)
-        ids = torch.cat([ids, token], dim=-1)
-        if bool(rule(ids, tuple(scores))[0]) or int(token) in eos or len(scores) == limit:
-            break
-        logits = session.step(token[0])
-    session.rollback(committed)  # the drafted pairs carried the drafter's own states: HF verifies, we re-read
-    if not scores:  # HF's loop needs at least one candidate
-        raise RuntimeError("An EAGLE-3 drafter needs a prompt of at least 2 tokens (one pair to draft from).")
-    if guard is not None:
-        guard.drafted(committed, ids[0, committed:].tolist())
-    return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), cache=None)
+    return draft_window(model, session, logits, input_ids, generation_config, logits_processor, max_new_tokens,
+                        need_one="An EAGLE-3 drafter needs a prompt of at least 2 tokens (one pair to draft from).")

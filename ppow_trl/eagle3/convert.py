@@ -138,7 +138,11 @@ def detect_format(folder) -> str | None:
     path = Path(folder) / "config.json"
     if not path.is_file():
         return None
-    config = json.loads(path.read_text())
+    return layout_of_config(json.loads(path.read_text()))
+
+
+def layout_of_config(config: dict) -> str | None:
+    """The EAGLE-3 export layout a ``config.json`` describes: ``"specforge"``, ``"speculators"`` or ``None``."""
     if config.get("speculators_model_type") == "eagle3":
         return "speculators"
     if config.get("model_type") == Eagle3DrafterConfig.model_type:

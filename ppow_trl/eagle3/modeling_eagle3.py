@@ -28,7 +28,6 @@ Two ways to run it, which compute the same numbers (tested):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -257,9 +256,13 @@ class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel, Generatio
             target_model_type=text.model_type,
             target_name_or_path=target_name_or_path or getattr(target.config, "_name_or_path", None) or None,
         )
-        if seed is not None:
-            torch.manual_seed(seed)
-        drafter = cls(config).to(dtype=target.dtype, device=target.device)
+        # Built on the CPU; with a seed, from a forked CPU generator: the caller's global RNG state is left as it
+        # was (seed=None draws from the caller's stream). The same weights as a plain torch.manual_seed(seed) gave.
+        with torch.random.fork_rng(devices=[], enabled=seed is not None), torch.device("cpu"):
+            if seed is not None:
+                torch.default_generator.manual_seed(seed)
+            drafter = cls(config)
+        drafter = drafter.to(dtype=target.dtype, device=target.device)
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
             drafter.lm_head.weight.copy_(head[ids.to(head.device)])
@@ -296,14 +299,13 @@ class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel, Generatio
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target=None, **kwargs):
-        """``PreTrainedModel.from_pretrained``; a local folder in SpecForge's or speculators' EAGLE-3 layout is
-        imported instead (``ppow_trl.eagle3.convert.import_eagle3``; ``target`` fills a missing embedding)."""
-        from .convert import detect_format, import_eagle3
-
-        if Path(str(pretrained_model_name_or_path)).is_dir() and detect_format(pretrained_model_name_or_path):
-            return import_eagle3(pretrained_model_name_or_path, target=target)
+        """``PreTrainedModel.from_pretrained`` of a folder saved by ``save_pretrained``, checked against ``target``
+        when given. SpecForge's and speculators' layouts are imported by the family
+        (``ppow_trl.drafting.load_drafter`` / ``get_family("eagle3").load``, ``ppow_trl.eagle3.import_eagle3``)."""
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model.embed_tokens.weight.requires_grad_(False)  # the target's embedding stays frozen after loading too
+        if target is not None:
+            model.check_target(target)
         return model
 
     # ----------------------------------------------------------------------------------------------------

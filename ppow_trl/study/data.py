@@ -68,7 +68,7 @@ def test_sets(target, tokenizer, spec: StudyData) -> dict[str, Dataset]:
 
 def train_features(target, train: Dataset, layer_ids: list[int], spec: StudyData) -> Dataset:
     """``train`` plus the target's hidden states at ``layer_ids`` (float16, cached): the EAGLE-3 arms' inputs."""
-    from ..eagle3.data import compute_target_features
+    from ..data import compute_target_features
 
     return compute_target_features(target, train, layer_ids, batch_size=spec.batch_size,
                                    cache_dir=cache_root() / "features")

@@ -24,7 +24,7 @@ import torch
 
 from ..calibration import calibration_rollouts, held_out_contexts
 from ..generation import exact_greedy_tau
-from ..windowing import AdaptiveWindowPolicy
+from ..windowing import AdaptiveWindowPolicy, expected_accepted_within
 
 
 @torch.no_grad()
@@ -59,8 +59,7 @@ def sampled_records(target, drafter, dataset, policies: dict[str, AdaptiveWindow
         if policy.max_window > max_window:
             raise ValueError(f"Policy {name} has K = {policy.max_window} > the sampled windows' {max_window}.")
         lengths = policy.window_lengths(confidences)
-        keep = torch.arange(prefix.shape[1]) < lengths.unsqueeze(-1)
-        expected = (prefix * keep).sum(-1)
+        expected = expected_accepted_within(prefix, lengths)
         out[name] = [{"accepted": float(e), "rounds": 1, "drafted": int(n)} for e, n in zip(expected, lengths)]
     return out
 

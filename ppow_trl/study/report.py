@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .arms import ARMS, KD_ARM, ORDER, WARM, WARM_STARTS, warm_start_of
+from ..drafting import get_family
+from .arms import ARMS, BASELINE_DRAFTER, DRAFTER_FAMILY, KD_ARM, ORDER, WARM, WARM_STARTS, warm_start_of
 from .evaluate import paired_ratio_interval, summarize
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
@@ -38,7 +39,10 @@ def summarize_arms(arms: dict[str, dict]) -> dict:
     base = arms.get(BASELINE)
     for name, arm in arms.items():
         row = {"description": arm["description"], "budget": arm["budget"], "policy": arm["policy"],
-               "drafter_cost": arm["cost_model"]["drafter_cost"], "verify_cost": arm["cost_model"]["verify_cost"]}
+               "drafter_cost": arm["cost_model"]["drafter_cost"], "verify_cost": arm["cost_model"]["verify_cost"],
+               # results written before the field existed: the family's unit
+               "drafter_per_round": arm["cost_model"].get(
+                   "drafter_per_round", get_family(DRAFTER_FAMILY.get(_family(name), _family(name))).cost_per_round)}
         # Greedy records carry tokens (tau is exact); T = 1 records only E[A|y] (tau = E[A] + 1, same ratio terms).
         for regime, numerators in (("greedy", ("accepted", "tokens")), ("sampling", ("accepted",))):
             row[regime] = {}
@@ -74,7 +78,7 @@ def _warm_of(name: str) -> str | None:
 def _family(name: str) -> str:
     if name in WARM_STARTS:
         return next(family for family in KD_ARM if warm_start_of(family) == name)
-    return ARMS[name].drafter if name in ARMS else "truncated"
+    return ARMS[name].drafter if name in ARMS else BASELINE_DRAFTER
 
 
 def _ci(values, digits=2) -> str:
@@ -133,7 +137,7 @@ def format_tables(summary: dict, wallclock: dict | None) -> str:
                      f"{fixed['tau']:.3f} {_ci(fixed['tau_ci'], 3)} | {_ratio(fixed)} | {row['drafter_cost']:.3f} | "
                      f"{'-' if predicted is None else f'{predicted:.2f}x'} | {_budget(row['budget'], warm)} |")
     lines.append("")
-    families = [name for name in summary if _family(name) != "truncated"]
+    families = [name for name in summary if _family(name) != BASELINE_DRAFTER]
     if families:
         lines += ["**Drafter families** (MT-bench, greedy, exact tau at each arm's calibrated policy; t_d/t_t and "
                   "t_v(L)/t_t measured by `calibrate_cost_model` on this CPU, per drafted token (per round for the DFlash "
@@ -143,7 +147,7 @@ def format_tables(summary: dict, wallclock: dict | None) -> str:
                   "| arm | family | tau [95% CI] | E[A] / KD (truncated) | PPOW / its warm start | t_d/t_t | "
                   "t_v(1..K)/t_t | predicted speedup |", "|---|---|---|---|---|---|---|---|"]
         for name, row in summary.items():
-            if _family(name) == "truncated" and name not in ("kd", "kd_warm", "ppow", "ppow_greedy"):
+            if _family(name) == BASELINE_DRAFTER and name not in ("kd", "kd_warm", "ppow", "ppow_greedy"):
                 continue
             greedy = row["greedy"]["mtbench"]["policy"]
             to_warm = greedy.get("ratio_to_warm")
@@ -151,7 +155,7 @@ def format_tables(summary: dict, wallclock: dict | None) -> str:
             warm = "-" if ratio is None else f"{ratio:.2f} {_ci(to_warm['expected_accepted']['ci'])}"
             verify = "/".join(f"{v:.2f}" for v in row["verify_cost"][1:])
             predicted = row["predicted_speedup"]
-            per_round = " per round" if _family(name) == "dflash" else ""  # one block forward drafts the window
+            per_round = " per round" if row.get("drafter_per_round") else ""  # one forward drafts the window
             lines.append(f"| {name} | {_family(name)} | {greedy['tau']:.3f} {_ci(greedy['tau_ci'], 3)} | "
                          f"{_ratio(greedy)} | {warm} | {row['drafter_cost']:.3f}{per_round} | {verify} | "
                          f"{'-' if predicted is None else f'{predicted:.2f}x'} |")

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..drafting import get_family, load_drafter
 from .arms import ARMS, KD_ARM, ORDER, Arm, warm_start_of
 from .data import StudyData
 
@@ -154,6 +155,10 @@ def run_arm(name: str, config: StudyConfig, results: Path = RESULTS, work: Path 
         drafter, budget, trainer = _train_kd(arm, config, target, tokenizer, train, draft_vocab, probe, work)
         cost, policy = _cost_and_policy(target, tokenizer, drafter, calibration, config)
         trained = {"optimizer_steps": trainer.state.global_step, "trained_positions": trainer.trained_positions}
+    elif arm.kind == "eval":  # no parameters: evaluated as its family builds it
+        drafter, budget, trainer = get_family(arm.family).build(target, tokenizer, **arm.build), None, None
+        cost, policy = _cost_and_policy(target, tokenizer, drafter, calibration, config)
+        trained = {"optimizer_steps": 0}
     else:
         drafter, budget, trainer = _train_ppow(arm, config, target, tokenizer, train, calibration, probe, work)
         cost, policy = trainer.cost_model, trainer.window_policy
@@ -194,43 +199,34 @@ def _evaluate_warm(name, target, tokenizer, calibration, tests, config, eos, thr
     _write(results / "arms" / f"{name}.json", result)
 
 
-# The DFlash arms' drafter: blocks of 8 (7 drafted slots >= the study's K = 6), 2 layers like the truncated drafter.
-DFLASH_BLOCK, DFLASH_LAYERS = 8, 2
-
-
 def _load_drafter(folder: Path):
-    """A saved drafter of any family: transformers' DFlash layout through ``AutoModel``, else ``load_target``."""
-    from ..dflash.assisted import is_block_folder, load_block_drafter
-    from ..models import load_target
+    """A saved drafter of any family, in eval mode (its family's ``load``, ``ppow_trl.drafting.load_drafter``)."""
+    return load_drafter(folder).eval()
 
-    return load_block_drafter(folder) if is_block_folder(folder) else load_target(str(folder))
+
+def _build_drafter(arm: Arm, config: StudyConfig, target, tokenizer, draft_vocab):
+    """A fresh drafter of the arm's family: ``config.drafter_layers`` layers and the study's reduced head where the
+    family has one, unless the arm's ``build`` says otherwise (``DrafterFamily.build``)."""
+    family = get_family(arm.family)
+    options = {"num_layers": config.drafter_layers, **arm.build}
+    vocab = draft_vocab if family.reduced_head else None
+    return family.build(target, tokenizer, draft_vocab_ids=vocab, seed=config.seed, **options)
 
 
 def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_vocab, probe, work: Path):
     import tempfile
 
     from ..kd_trainer import KDConfig, KDTrainer
-    from ..models import make_drafter
     from .budget import TrainingBudget
     from .data import train_topk
 
     topk = train_topk(target, train, config.data)
-    if arm.drafter == "eagle3":
-        from ..eagle3 import Eagle3DrafterForCausalLM
+    drafter = _build_drafter(arm, config, target, tokenizer, draft_vocab).train()
+    layer_ids = get_family(arm.family).target_layer_ids(drafter)
+    if layer_ids is not None:  # the drafter's inputs, cached (EAGLE-3 and DFlash read the same 2/15/27 column)
         from .data import train_features
 
-        drafter = Eagle3DrafterForCausalLM.from_target(target, draft_vocab_ids=draft_vocab, seed=config.seed).train()
-        topk = train_features(target, topk, drafter.config.target_layer_ids, config.data)
-    elif arm.drafter == "dflash":
-        from ..dflash import choose_mask_token_id, dflash_from_target, feature_layers
-        from .data import train_features
-
-        # Reads the same hidden states as the EAGLE-3 head (2/15/27), so the same cached feature column.
-        drafter = dflash_from_target(target, mask_token_id=choose_mask_token_id(tokenizer), block_size=DFLASH_BLOCK,
-                                     num_hidden_layers=DFLASH_LAYERS, seed=config.seed).train()
-        topk = train_features(target, topk, feature_layers(drafter), config.data)
-    else:
-        drafter = make_drafter(target, num_layers=config.drafter_layers, draft_vocab_ids=draft_vocab).train()
+        topk = train_features(target, topk, layer_ids, config.data)
     milestones, holder = {}, {}
     if arm.saves_warm_start:
         def save_warm(model):
@@ -260,7 +256,6 @@ def _train_ppow(arm: Arm, config: StudyConfig, target, tokenizer, train, calibra
     from peft import LoraConfig
 
     from ..cost import calibrate_cost_model
-    from ..models import load_target
     from ..ppow_config import PPOWConfig
     from ..ppow_trainer import PPOWTrainer
     from .budget import TrainingBudget
@@ -284,9 +279,7 @@ def _train_ppow(arm: Arm, config: StudyConfig, target, tokenizer, train, calibra
                             probe_every=config.probe_every_seconds)
     # The cost model is measured before the budget starts, as for the KD arms (a set-up cost, not training).
     cost = calibrate_cost_model(target, drafter, config.max_window, repeats=9)
-    # a block drafter is a base model (no LM head): PEFT's plain wrapper
-    task_type = None if arm.drafter == "dflash" else "CAUSAL_LM"
-    lora = LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r, task_type=task_type,
+    lora = LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r, task_type=get_family(arm.family).peft_task_type,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     trainer = PPOWTrainer(model=drafter, target_model=target, args=args, train_dataset=train, eval_dataset=calibration,
                           processing_class=tokenizer, peft_config=lora, callbacks=[budget], cost_model=cost)
@@ -307,7 +300,7 @@ def _result(name, description, config, threads, budget, trained, policy, cost, e
         "arm": name, "description": description, "config": config.to_dict(),
         "budget": {"train_step_seconds": None if budget is None else budget.elapsed, **trained},
         "wall_seconds": seconds,
-        "curve": history if history is not None else budget.history,
+        "curve": history if history is not None else ([] if budget is None else budget.history),
         "policy": {"max_window": policy.max_window, "threshold": policy.threshold,
                    "confidence_temperature": policy.confidence_temperature, "calibration": policy.calibration},
         "cost_model": {"drafter_cost": cost.drafter_cost, "verify_cost": list(cost.verify_cost),

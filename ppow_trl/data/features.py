@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from datasets import Array2D, Dataset, Features, concatenate_datasets
 
-from ..data.cache import DEFAULT_CHUNK_SIZE, build_sharded_dataset, dataset_fingerprint, model_fingerprint
-from ..data.responses import pad_sequences
-from .features import target_features
+from .cache import DEFAULT_CHUNK_SIZE, build_sharded_dataset, dataset_fingerprint, model_fingerprint
+from .responses import pad_sequences
+from ..features import target_features
 
 FEATURES_COLUMN = "target_features"
 

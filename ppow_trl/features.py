@@ -1,8 +1,18 @@
-"""The target's features that an EAGLE-3 drafter reads: hidden states of a few layers, concatenated."""
+"""The target's forwards and hidden-state features, for every drafter family and loop (family-neutral).
+
+A feature-conditioned drafter (EAGLE-3 heads, DFlash blocks) reads the target's hidden states at a few
+``output_hidden_states`` indices, concatenated. The loops get them from the forward that verified the tokens
+(``target_forward`` / ``forward_at``), so no second target pass runs in generation; training and scoring get
+them teacher-forced (``target_features``, ``context_features``). Standalone drafters pass ``layer_ids=None``
+and get plain forwards.
+"""
 
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
+
+from .batching import left_pad, positions_from_mask
 
 
 def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
@@ -48,10 +58,32 @@ def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tenso
 @torch.no_grad()
 def context_features(target, contexts: list[torch.Tensor], layer_ids: list[int], pad_id: int = 0) -> list[torch.Tensor]:
     """Features of every token of each context, ``[(len(c), F)]``, from one left-padded teacher-forced forward."""
-    from ..batching import left_pad, positions_from_mask
-
     device = next(target.parameters()).device
     ids, mask = left_pad(contexts, pad_id)
     ids, mask = ids.to(device), mask.to(device)
     features = target_features(target, ids, mask, layer_ids, position_ids=positions_from_mask(mask))
     return [row[-len(context):] for row, context in zip(features, contexts)]
+
+
+def forward_at(model, tokens: list[int], cache, start: int, feature_layers: list[int] | None = None, **kwargs):
+    """Forward ``tokens`` (one sequence) at positions ``start..`` after a cache holding exactly ``start`` positions.
+
+    Returns ``(output, features)``: the model output (``cache`` set) and, with ``feature_layers``, the hidden
+    states a feature-conditioned drafter reads (``target_forward``), else ``None``. The loops' single entry to a
+    forward over one sequence: the target's verification and the standalone drafter's steps.
+    """
+    cached = 0 if cache is None else cache.get_seq_length()
+    if cached != start:  # an internal invariant: caches must hold exactly the committed prefix
+        raise RuntimeError(f"KV cache holds {cached} positions, expected {start}.")
+    device = next(model.parameters()).device
+    if cache is None:
+        # Sliding-window (and other bounded) cache layers only allow rolling back after a rejection when
+        # they record past states, as transformers' own assisted decoding arranges.
+        cache = DynamicCache(config=model.config.get_text_config())
+        cache.activate_past_recording()
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
+    # No attention mask: one unpadded sequence attends to its whole cache, as in generate's decoding steps (which
+    # drop an all-ones mask). Timed in isolation, with or without a mask the SmolLM2 step costs the same.
+    return target_forward(model, feature_layers, input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
+                          **kwargs)

@@ -1,0 +1,225 @@
+"""The standalone drafter family: any causal LM over the target's vocabulary drafting on its own.
+
+A truncated target (``ppow_trl.models.make_drafter(target, num_layers=...)``), a small LM of the same tokenizer, or
+a ``PPOWDrafterForCausalLM`` (reduced-vocabulary head). Its drafting state is its own KV cache; HF's assisted
+generation calls it as a causal LM, with ppow_trl's window rule installed as its ``generate``
+(``attach_window_policy``; the folder's copy is ``custom_generate/generate.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from .batching import left_pad, positions_from_mask, prefill_contexts, shift_rows
+from .custom_generate.generate import generate as _hook_generate
+from .drafter import ReducedVocabHeadMixin
+from .drafting import DrafterFamily
+from .features import forward_at, target_forward
+from .models import make_drafter
+from .utils import PEFT_ASSISTANT_MESSAGE, crop_cache, is_peft_model, load_json, unwrap_model
+from .windowing import configure_generation_config
+
+
+class StandaloneSession:
+    """A causal LM drafting on its own: its state is its KV cache over the tokens it has read."""
+
+    target_layer_ids = None
+    max_window = None  # no limit on the window
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.cache = None
+        self.mask = self.positions = None
+        self.forwards = 0  # drafter forwards run (one per drafted token)
+
+    # one sequence ---------------------------------------------------------------------------------------
+    def seen(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    def extend(self, sequence: list[int], features: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Read the committed tokens not cached yet (at least the last one); logits of the next token ``(1, V)``."""
+        start = self.seen()
+        out, _ = forward_at(self.drafter, sequence[start:], self.cache, start, logits_to_keep=1)
+        self.forwards += 1
+        self.cache = out.cache
+        self.mask = torch.ones((1, len(sequence)), dtype=torch.long, device=out.logits.device)
+        self.positions = torch.full((1, 1), len(sequence) - 1, device=out.logits.device)
+        return out.logits[:, -1]
+
+    def add_features(self, features: torch.Tensor | None) -> None:
+        """Target features are not read by standalone drafters."""
+
+    def rollback(self, valid_length: int) -> None:
+        """Keep the cache of the first ``valid_length`` tokens of committed + drafted (the verified prefix)."""
+        if self.cache is not None:
+            crop_cache(self.cache, min(self.cache.get_seq_length(), valid_length))
+
+    # batches --------------------------------------------------------------------------------------------
+    def prefill(self, contexts: list[torch.Tensor], pad_id: int = 0, num_samples: int = 1,
+                features: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Next-token logits ``(len(contexts) * G, V)`` after each context, rows context by context."""
+        logits, self.cache, self.mask, self.positions = prefill_contexts(self.drafter, contexts, pad_id, num_samples)
+        self.forwards += 1
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one drafted token per row ``(B,)``; logits of the next ``(B, V)``."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=-1)
+        self.positions = self.positions + 1
+        out = self.drafter(input_ids=tokens.view(-1, 1), attention_mask=self.mask, position_ids=self.positions,
+                           cache=self.cache, use_cache=True)
+        self.forwards += 1
+        self.cache = out.cache
+        return out.logits[:, -1]
+
+    # teacher-forced windows ------------------------------------------------------------------------------
+    def teacher_forced_logits(self, prompt: list[int], text: list[int], max_window: int,
+                              features: torch.Tensor | None = None):
+        """Yields ``(slot, logits (M, V))``: slot ``k`` (0-based) of a window started after ``prompt + text[:s]``
+        is row ``s``. A standalone drafter's state while its proposals match is ``prompt + text[:s + k]``, so slot
+        ``k`` of start ``s`` is the one teacher-forced pass's row ``s + k`` (rows past the text are never read)."""
+        out, _ = forward_at(self.drafter, prompt + text[:-1], None, 0, logits_to_keep=len(text))
+        logits = out.logits[0, -len(text):]
+        for slot in range(max_window):
+            yield slot, shift_rows(logits, slot)
+
+    # the cost model's unit -------------------------------------------------------------------------------
+    def timed_step(self, context: list[int], features: torch.Tensor | None = None):
+        """A callable drafting one token after ``context`` (one forward on the cache), the cache put back each time."""
+        device = next(self.drafter.parameters()).device
+        self.prefill([torch.tensor(context, device=device)])
+        length, mask, positions = self.cache.get_seq_length(), self.mask, self.positions
+        token = torch.tensor(context[-1:], device=device)
+
+        def step():
+            self.step(token)
+            crop_cache(self.cache, length)  # back to the shared context: every repeat times the same step
+            self.mask, self.positions = mask, positions
+
+        return step
+
+
+def attach_window_policy(drafter, policy, vocab_size: int | None = None):
+    """In memory, without saving: make ``drafter`` apply ``policy`` as an HF assistant; returns ``drafter``.
+
+    Sets its generation config (``configure_generation_config``) and replaces its ``generate`` with
+    ``functools.partial(ppow_trl.custom_generate.generate.generate, model=drafter)``: the same code a folder's
+    ``custom_generate/generate.py`` holds, installed as ``from_pretrained(trust_remote_code=True)`` would.
+    """
+    if is_peft_model(drafter):
+        raise ValueError(PEFT_ASSISTANT_MESSAGE)
+    configure_generation_config(drafter.generation_config, policy, vocab_size)
+    drafter.generate = functools.partial(_hook_generate, model=drafter)
+    return drafter
+
+
+class StandaloneFamily(DrafterFamily):
+    """Causal LMs over the target's vocabulary (module docstring). The registry's fallback: asked last."""
+
+    name = "standalone"
+    description = "standalone causal LM"
+
+    def owns(self, model) -> bool:
+        return callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None
+
+    def detect(self, folder_or_repo, **hub_kwargs) -> str | None:
+        try:
+            config = load_json(folder_or_repo, "config.json", "", **hub_kwargs)
+        except (FileNotFoundError, OSError, ValueError, json.JSONDecodeError):
+            return None
+        return "transformers" if config.get("model_type") else None
+
+    def build(self, target, tokenizer=None, *, draft_vocab_ids=None, seed: int | None = 0,
+              target_name_or_path: str | None = None, num_layers: int | None = 2, pretrained: str | None = None,
+              **options):
+        """The target's first ``num_layers`` layers, or the causal LM ``pretrained`` (``make_drafter``), with a
+        reduced head over ``draft_vocab_ids`` when given. Deterministic: nothing is drawn at random."""
+        if options:
+            raise ValueError(f"{sorted(options)} do not apply to standalone drafters.")
+        return make_drafter(target, num_layers=None if pretrained else num_layers, pretrained=pretrained,
+                            draft_vocab_ids=draft_vocab_ids, target_tokenizer=tokenizer)
+
+    def load(self, folder_or_repo, *, target=None, trust_remote_code: bool = False, **from_pretrained_kwargs):
+        """``AutoModelForCausalLM.from_pretrained`` (``import ppow_trl`` registers ``PPOWDrafterForCausalLM``),
+        trainable (``from_pretrained`` leaves parameters requiring grad; ``load_target`` freezes a target)."""
+        model = AutoModelForCausalLM.from_pretrained(str(folder_or_repo), trust_remote_code=bool(trust_remote_code),
+                                                     **from_pretrained_kwargs)
+        if getattr(model, "_hf_peft_config_loaded", False):
+            raise ValueError(f"{folder_or_repo} holds a PEFT adapter. " + PEFT_ASSISTANT_MESSAGE)
+        return model
+
+    def session(self, drafter, target=None):
+        return StandaloneSession(drafter)
+
+    def describe(self, drafter) -> str:
+        model = unwrap_model(drafter)
+        head = f", {model.config.draft_vocab_size}-token head" if isinstance(model, ReducedVocabHeadMixin) else ""
+        return f"{type(model).__name__}, {model.config.get_text_config().num_hidden_layers} layers{head}"
+
+    # training -------------------------------------------------------------------------------------------
+    def window_hidden(self, drafter, contexts, inverse, window_ids, *, target=None, features=None):
+        """Each distinct context once (with gradients), its KV cache repeated for the windows sharing it, then one
+        forward over the windows: the backbone's states at ``[last context token, y_1 .. y_{C-1}]``."""
+        backbone = drafter.base_model
+        ids, mask = left_pad(contexts, 0)
+        device = window_ids.device
+        ids, mask = ids.to(device), mask.to(device)
+        width = ids.shape[1]
+        cache = DynamicCache(config=drafter.config.get_text_config())
+        out = backbone(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), cache=cache,
+                       use_cache=True)
+        if cache.get_seq_length() != width:
+            raise RuntimeError(
+                "The drafter's forward did not fill the KV cache (activation checkpointing drops it in training): the "
+                "windows would be scored without their context. Disable activation checkpointing on the drafter."
+            )
+        hidden = [out.last_hidden_state[:, -1:][inverse]]  # predicts y_1
+        num_window_tokens = window_ids.shape[1]
+        if num_window_tokens > 1:
+            cache.batch_select_indices(inverse)  # differentiable indexing: each row reads its context's keys/values
+            rows_mask = mask[inverse]
+            full_mask = torch.cat([rows_mask, rows_mask.new_ones(rows_mask.shape[0], num_window_tokens - 1)], dim=-1)
+            positions = rows_mask.sum(-1, keepdim=True) + torch.arange(num_window_tokens - 1, device=device)
+            out = backbone(input_ids=window_ids[:, :-1], attention_mask=full_mask, position_ids=positions, cache=cache,
+                           use_cache=True)
+            hidden.append(out.last_hidden_state)  # predicts y_2..y_C
+        return torch.cat(hidden, dim=1)
+
+    def kd_rows(self, model, inputs, mask, args, target=None):
+        """Student logits at the positions predicting response tokens: ``[(logits (N, C), positions)]``."""
+        # Only the positions that predict some response token go through the output head.
+        positions = mask.any(dim=0).nonzero().flatten()
+        first, last = (int(positions[0]), int(positions[-1]) + 1) if positions.numel() else (0, 1)
+        reduced = isinstance(unwrap_model(model), ReducedVocabHeadMixin)
+        forward_kwargs = {
+            "input_ids": inputs["input_ids"],
+            "attention_mask": inputs["attention_mask"],
+            "logits_to_keep": torch.arange(first, last, device=mask.device),
+            "use_cache": False,
+        }
+        if reduced:
+            forward_kwargs["full_vocab_logits"] = False  # finite draft logits, no -inf columns
+        outputs = model(**forward_kwargs)
+        logits = outputs.draft_logits if reduced else outputs.logits
+        window = torch.zeros_like(mask)
+        window[:, first:last] = mask[:, first:last]
+        return [(logits[mask[:, first:last]], window)], outputs
+
+    def response_distributions(self, model, ids, mask, positions, keep, *, target=None, features=None,
+                               feature_layers=None):
+        out, found = target_forward(model, feature_layers, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                    logits_to_keep=keep, use_cache=False)
+        return out.logits[:, -keep:-1], found  # the very last column predicts past the sequence's end
+
+    # serving --------------------------------------------------------------------------------------------
+    def attach(self, drafter, target, policy, vocab_size: int | None = None):
+        """``attach_window_policy``; a hook the folder's own ``custom_generate/`` installed (``trust_remote_code``)
+        is kept, only its generation config is set."""
+        if isinstance(drafter.__dict__.get("generate"), functools.partial):
+            configure_generation_config(drafter.generation_config, policy, vocab_size)
+            return drafter
+        return attach_window_policy(drafter, policy, vocab_size)
