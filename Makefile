@@ -17,7 +17,7 @@ demo: setup
 	$(PYTHON) -m ppow_trl.demo
 
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2
 
 test-fast:
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -n 2 -m "not slow"

@@ -10,6 +10,8 @@ from . import _compat  # noqa: F401
 # AutoModelForCausalLM, so `AutoModelForCausalLM.from_pretrained(saved_drafter)` works after `import ppow_trl`.
 from .cost import CostModel, calibrate_cost_model, overall_speedup, speedup
 from .drafter import PPOWDrafterConfig, PPOWDrafterForCausalLM
+# Drafter families (standalone, eagle3, dflash, prompt_lookup) and their registry.
+from .drafting import DrafterFamily, family_of, get_family, load_drafter, register_family
 # Registers the `ppow_eagle3` model type too (EAGLE-3 heads reading the target's hidden states).
 from .eagle3 import Eagle3DrafterConfig, Eagle3DrafterForCausalLM
 from .generation import exact_greedy_tau, speculative_generate
@@ -31,6 +33,7 @@ from .windowing import AdaptiveWindowPolicy, divergence_scores, window_start_pro
 __all__ = [
     "AdaptiveWindowPolicy",
     "CostModel",
+    "DrafterFamily",
     "Eagle3DrafterConfig",
     "Eagle3DrafterForCausalLM",
     "KDConfig",
@@ -48,6 +51,9 @@ __all__ = [
     "divergence_scores",
     "draft_vocab_coverage",
     "exact_greedy_tau",
+    "family_of",
+    "get_family",
+    "load_drafter",
     "expected_accepted_length",
     "greedy_accepted_length",
     "greedy_verify",
@@ -55,6 +61,7 @@ __all__ = [
     "make_drafter",
     "overall_speedup",
     "proximity_reward",
+    "register_family",
     "residual_distribution",
     "speculative_generate",
     "speculative_sampling_verify",

@@ -350,3 +350,36 @@ class ContextSelector:
                 self.load_state_dict(json.load(f))
         else:
             self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def refresh_scores(selector: ContextSelector, pool: ContextPool, target, drafter, accelerator, *, count: int,
+                   vocab_size: int, target_temperature: float, drafter_temperature: float, kind: str,
+                   pad_id: int) -> None:
+    """Rescore a rotating subset of ``count`` sequences with the current drafter, ``s_t = conf_t * D(p_t, q_t)``.
+
+    Each process scores its share (``score_sequences``) with its own (DDP: full) drafter copy; the scores are then
+    gathered, so every process ends with the same selector state and draws the same global batch.
+    """
+    num_sequences = len(pool.responses)
+    count = min(count, num_sequences)
+    first = (selector.refresh_count * count) % num_sequences
+    sequences = [(first + i) % num_sequences for i in range(count)]
+    world, device = accelerator.num_processes, accelerator.device
+    shares = [sequences[rank::world] for rank in range(world)]
+    mine = shares[accelerator.process_index]
+    rows = score_sequences(target, drafter, [pool.sequence_ids(s) for s in mine], [len(pool.prompts[s]) for s in mine],
+                           vocab_size=vocab_size, target_temperature=target_temperature,
+                           drafter_temperature=drafter_temperature, kind=kind, pad_id=pad_id)
+    local = torch.cat([row.float().to(device) for row in rows]) if rows else torch.zeros(0, device=device)
+    if world > 1:
+        # Every process knows every share's size from the pool: pad to the largest, all-gather, unpad.
+        sizes = [int(sum(int(pool.lengths[s]) for s in share)) for share in shares]
+        width = max(max(sizes), 1)
+        padded = torch.zeros(width, device=device)
+        padded[: len(local)] = local
+        everything = accelerator.gather(padded).view(world, width)
+        scores = torch.cat([everything[rank, :size] for rank, size in enumerate(sizes)])
+    else:
+        scores = local
+    selector.set_scores(pool.candidates_of([s for share in shares for s in share]), scores.cpu())
+    selector.refresh_count += 1

@@ -24,8 +24,8 @@ from trl import GRPOTrainer
 
 from ._trl_compat import split_tensor_dict, unwrap_model_for_generation
 from .calibration import calibrate_policy, held_out_contexts
-from .contexts import ContextPool, ContextSelector, score_sequences
-from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model, overall_speedup
+from .contexts import ContextPool, ContextSelector, refresh_scores
+from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model
 from .credit import per_position_advantages
 from .drafter import ReducedVocabHeadMixin
 from .drafting import family_of
@@ -33,7 +33,7 @@ from .features import context_features
 from .model_card import render_model_card, write_model_card
 from .models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
-from .generation import exact_greedy_tau, greedy_continuation
+from .held_out import held_out_tau_counts, held_out_window_metrics
 from .rewards import divergence
 from .rollout import VerifiedWindows, verify_windows, window_rewards
 from .window_logprobs import window_logprobs
@@ -289,38 +289,15 @@ class PPOWTrainer(GRPOTrainer):
         return [{"candidate": c, "prompt": self.context_pool.context(c)} for c in mine for _ in range(group)]
 
     def _refresh_selection_scores(self) -> None:
-        """Rescore a rotating subset of sequences with the current drafter: ``s_t = conf_t * D(p_t, q_t)``."""
-        selector, pool, args = self.context_selector, self.context_pool, self.args
-        num_sequences = len(pool.responses)
-        count = min(args.selection_refresh_sequences, num_sequences)
-        first = (selector.refresh_count * count) % num_sequences
-        sequences = [(first + i) % num_sequences for i in range(count)]
-        # Each process scores its share in batches with its own (DDP: full) drafter copy; the scores are then
-        # gathered, so every process ends with the same selector state and draws the same global batch.
-        acc = self.accelerator
-        shares = [sequences[rank :: acc.num_processes] for rank in range(acc.num_processes)]
-        mine = shares[acc.process_index]
+        """Rescore a rotating subset of sequences with the current drafter (``ppow_trl.contexts.refresh_scores``)."""
+        args = self.args
         pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
-        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter:
-            rows = score_sequences(
-                self.target, drafter, [pool.sequence_ids(s) for s in mine], [len(pool.prompts[s]) for s in mine],
-                vocab_size=self.vocab_size, target_temperature=self._verify_temperature,
-                drafter_temperature=args.temperature, kind=args.selection_divergence, pad_id=pad_id,
-            )
-        local = torch.cat([row.float().to(acc.device) for row in rows]) if rows else torch.zeros(0, device=acc.device)
-        if acc.num_processes > 1:
-            # Every process knows every share's size from the pool: pad to the largest, all-gather, unpad.
-            sizes = [int(sum(int(pool.lengths[s]) for s in share)) for share in shares]
-            width = max(max(sizes), 1)
-            padded = torch.zeros(width, device=acc.device)
-            padded[: len(local)] = local
-            everything = acc.gather(padded).view(acc.num_processes, width)
-            scores = torch.cat([everything[rank, :size] for rank, size in enumerate(sizes)])
-        else:
-            scores = local
-        selector.set_scores(pool.candidates_of([s for share in shares for s in share]), scores.cpu())
-        selector.last_refresh_step = self.state.global_step
-        selector.refresh_count += 1
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter, _eval_mode(drafter):
+            refresh_scores(self.context_selector, self.context_pool, self.target, drafter, self.accelerator,
+                           count=args.selection_refresh_sequences, vocab_size=self.vocab_size,
+                           target_temperature=self._verify_temperature, drafter_temperature=args.temperature,
+                           kind=args.selection_divergence, pad_id=pad_id)
+        self.context_selector.last_refresh_step = self.state.global_step
 
     # ------------------------------------------------------------------ rollout and rewards
 
@@ -602,56 +579,35 @@ class PPOWTrainer(GRPOTrainer):
         count = self.args.eval_num_prompts
         return dataset if count is None else dataset.select(range(min(count, len(dataset))))
 
-    @torch.no_grad()
     def _held_out_tau_counts(self, dataset) -> torch.Tensor:
         """This process's share (prompts ``rank::world``) of exact greedy tau: ``[tokens, rounds]`` at the served
         rule, then at ``K = max_window``, h = 0. ``(4,)`` float on the accelerator's device."""
-        args, policy, acc = self.args, self.window_policy, self.accelerator
-        fixed = policy.with_window(args.max_window, 0.0)
-        counts = torch.zeros(4, dtype=torch.float64)
+        acc, policy = self.accelerator, self.window_policy
         prompts = self._eval_rows(dataset)["prompt_ids"][acc.process_index :: acc.num_processes]
         with unwrap_model_for_generation(self.model_wrapped, acc) as drafter, _eval_mode(drafter):
-            for prompt in prompts:
-                key = tuple(prompt)
-                if key not in self._greedy_continuations:  # the target's greedy text: computed once per prompt
-                    self._greedy_continuations[key] = greedy_continuation(self.target, list(prompt),
-                                                                          args.eval_max_new_tokens, self.vocab_size)
-                for column, rule in ((0, policy), (2, fixed)):
-                    result = exact_greedy_tau(self.target, drafter, torch.tensor([prompt]), policy=rule,
-                                              max_new_tokens=args.eval_max_new_tokens, vocab_size=self.vocab_size,
-                                              continuation=self._greedy_continuations[key])
-                    counts[column] += len(result.new_tokens)
-                    counts[column + 1] += result.num_rounds
+            counts = held_out_tau_counts(self.target, drafter, prompts,
+                                         [policy, policy.with_window(self.args.max_window, 0.0)],
+                                         max_new_tokens=self.args.eval_max_new_tokens, vocab_size=self.vocab_size,
+                                         continuations=self._greedy_continuations)
         return counts.float().to(acc.device)
 
-    @torch.no_grad()
     def _held_out_window_metrics(self, dataset) -> list[float]:
         """E[A|y] and the cost-model speedup of windows sampled under the served rule after held-out contexts, and
         the calibration's figures (main process)."""
         args, policy = self.args, self.window_policy
         rows = self._eval_rows(dataset)
+        contexts = held_out_contexts(rows["prompt_ids"], rows["response_ids"], args.calibration_contexts_per_response,
+                                     args.calibration_max_contexts)
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter, _eval_mode(drafter):
-            contexts = held_out_contexts(rows["prompt_ids"], rows["response_ids"],
-                                         args.calibration_contexts_per_response, args.calibration_max_contexts)
-            generator = torch.Generator(next(drafter.parameters()).device).manual_seed(args.seed)
-            accepted, lengths = [], []
-            for start in range(0, len(contexts), args.per_device_eval_batch_size):
-                chunk = contexts[start : start + args.per_device_eval_batch_size]
-                verified = verify_windows(self.target, drafter, chunk, policy, greedy=args.acceptance == "greedy",
-                                          temperature=args.temperature, verify_temperature=self._verify_temperature,
-                                          pad_id=self._tokenizer.pad_token_id, vocab_size=self.vocab_size,
-                                          generator=generator)
-                accepted.append(verified.accepted.float().cpu())
-                lengths.append(verified.drafted.window_mask.sum(-1).cpu())
-        accepted, lengths = torch.cat(accepted), torch.cat(lengths)
+            measured = held_out_window_metrics(
+                self.target, drafter, contexts, policy, self.cost_model, greedy=args.acceptance == "greedy",
+                temperature=args.temperature, verify_temperature=self._verify_temperature,
+                pad_id=self._tokenizer.pad_token_id, vocab_size=self.vocab_size,
+                batch_size=args.per_device_eval_batch_size, seed=args.seed)
         calibration = policy.calibration or {}
-        return [
-            float(accepted.mean()),
-            float(overall_speedup(accepted, lengths, self.cost_model)),
-            float(calibration.get("predicted_speedup", float("nan"))),
-            float(policy.max_window),
-            float(policy.threshold),
-        ]
+        return [measured["expected_accepted"], measured["simulated_speedup"],
+                float(calibration.get("predicted_speedup", float("nan"))), float(policy.max_window),
+                float(policy.threshold)]
 
     # ------------------------------------------------------------------ saving and resuming
 

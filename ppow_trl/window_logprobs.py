@@ -53,7 +53,9 @@ def window_labels(head: torch.nn.Module, draft_vocab_ids: torch.Tensor | None, w
     """``(rows, labels, valid)``: the head rows the rollout sampled from, each window token's position among them
     and the real (unpadded) window slots. A real token the drafter cannot propose is an error (it was not sampled)."""
     rows, lookup = head_rows_and_labels(head, draft_vocab_ids, vocab_size)
-    labels = lookup[window_ids.clamp(0, len(lookup) - 1).to(lookup.device)].to(window_ids.device)
+    ids = window_ids.to(lookup.device)
+    inside = (ids >= 0) & (ids < len(lookup))  # an id past the table is outside the vocabulary, not the last row
+    labels = torch.where(inside, lookup[ids.clamp(0, len(lookup) - 1)], -100).to(window_ids.device)
     valid = window_mask.bool()
     if (labels[valid] < 0).any():
         raise ValueError("A window token lies outside the drafter's vocabulary: it cannot have been sampled from it.")

@@ -140,3 +140,29 @@ DEVICE_PARAMS = [
 @pytest.fixture(params=DEVICE_PARAMS)
 def device(request) -> torch.device:
     return torch.device(request.param)
+
+
+def first_two_tokens_test(target, drafter, prompt, vocab: int, samples: int, max_window: int = 3, seed: int = 5):
+    """Chi-square test that speculative sampling keeps the target's law: the first two sampled tokens against the
+    target's own ``p(x1) p(x2 | x1)`` (a bigram target: ``x2`` depends on ``x1`` only). Returns ``(p_value, drafted
+    tokens, rejected rounds)`` so callers can check the drafter was exercised."""
+    from scipy.stats import chisquare
+
+    from ppow_trl.generation import speculative_generate
+    from ppow_trl.windowing import AdaptiveWindowPolicy
+
+    with torch.no_grad():
+        step = torch.softmax(target(torch.arange(vocab)[None]).logits[0], -1)
+        first = torch.softmax(target(prompt).logits[0, -1], -1)
+    expected = (first[:, None] * step).flatten().double()
+    counts = torch.zeros(vocab * vocab, dtype=torch.double)
+    generator = torch.Generator().manual_seed(seed)
+    drafted = rejections = 0
+    for _ in range(samples):
+        out = speculative_generate(target, drafter, prompt, policy=AdaptiveWindowPolicy(max_window, 0.0),
+                                   max_new_tokens=3, do_sample=True, eos_token_id=[], generator=generator)
+        counts[out.new_tokens[0] * vocab + out.new_tokens[1]] += 1
+        drafted += sum(out.drafted_per_round)
+        rejections += sum(a < d for a, d in zip(out.accepted_per_round, out.drafted_per_round))
+    _, p_value = chisquare(counts.numpy(), (expected / expected.sum() * samples).numpy())
+    return p_value, drafted, rejections

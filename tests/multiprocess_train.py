@@ -11,6 +11,7 @@ tests/test_multiprocess.py launches it and checks the files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -58,6 +59,8 @@ def main() -> None:
     # --evaluate: held-out responses as eval_dataset, one evaluation at the last step (exact greedy tau sharded over
     # the processes, window calibration on the main process and broadcast).
     evaluate = "--evaluate" in sys.argv[3:]
+    # --measure-cost: no given cost ratios: the main process measures the cost model and broadcasts it.
+    measure_cost = "--measure-cost" in sys.argv[3:]
     os.makedirs(out_dir, exist_ok=True)
 
     table = easy_hard_bigram_table()
@@ -69,7 +72,7 @@ def main() -> None:
         output_dir=os.path.join(out_dir, "trainer"), per_device_train_batch_size=8, num_generations=4, max_window=4,
         max_steps=max_steps, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, selection_refresh_steps=2, selection_refresh_sequences=4, seed=0,
-        proximity_weight=PROXIMITY_WEIGHT, use_cpu=use_cpu, **GIVEN_COST,
+        proximity_weight=PROXIMITY_WEIGHT, use_cpu=use_cpu, **({} if measure_cost else GIVEN_COST),
         **(dict(gradient_accumulation_steps=2, per_token_credit=True) if accumulate else {}),
         **(dict(eval_strategy="steps", eval_steps=max_steps, eval_max_new_tokens=8,
                 calibration_contexts_per_response=2) if evaluate else {}),
@@ -171,6 +174,7 @@ def main() -> None:
         "refreshed_scores": refreshed_scores,
         "log_history": trainer.state.log_history,
         "evaluation": evaluation,
+        "cost_model": dataclasses.asdict(trainer.cost_model),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -17,7 +17,6 @@ from ppow_trl.dflash import anchored_block_hidden, dflash_from_target, feature_l
 from ppow_trl.eagle3 import target_features
 from ppow_trl.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.kd_trainer import KDConfig, KDTrainer
-from ppow_trl.rollout import draft_windows
 from ppow_trl.windowing import AdaptiveWindowPolicy
 
 LAYERS = [0, 1, 3]  # decoder layers: hidden states 1, 2, 4
@@ -82,42 +81,18 @@ def test_kd_on_anchored_blocks_learns_every_slot(trained):
         assert after[f"eval_kd/top1_agreement{suffix}"] > before[f"eval_kd/top1_agreement{suffix}"] + 0.2
 
 
-@pytest.mark.parametrize("max_window,threshold", [(4, 0.0), (3, 0.4)])
-def test_greedy_is_lossless_and_exact_tau_equals_the_loop(trained, max_window, threshold):
+def test_one_drafter_forward_per_round_and_at_most_a_block(trained):
+    """(Losslessness and exact tau for every family: test_families.py.) A block drafts its whole window in one
+    forward, and a window longer than the block's slots is refused."""
     target, drafter = trained["target"], trained["drafter"]
-    policy = AdaptiveWindowPolicy(max_window=max_window, threshold=threshold)
-    accepted = 0
-    for prompt in trained["responses"]["prompt_ids"][:6]:
+    policy = AdaptiveWindowPolicy(max_window=4, threshold=0.0)
+    for prompt in trained["responses"]["prompt_ids"][:3]:
         prompt = torch.tensor([prompt])
-        reference = target.generate(prompt, do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
         out = speculative_generate(target, drafter, prompt, policy=policy, max_new_tokens=16, eos_token_id=[])
-        assert torch.equal(out.sequences[0], reference[0])
-        exact = exact_greedy_tau(target, drafter, prompt, policy=policy, max_new_tokens=16, eos_token_id=[])
-        assert exact.accepted_per_round == out.accepted_per_round
         assert out.drafter_forwards == sum(1 for d in out.drafted_per_round if d)  # one forward per round
-        accepted += sum(out.accepted_per_round)
-    assert accepted > 10
+        assert sum(out.accepted_per_round) > 0
     with pytest.raises(ValueError, match="block_size - 1"):
         speculative_generate(target, drafter, prompt, policy=AdaptiveWindowPolicy(BLOCK), max_new_tokens=4)
-
-
-def test_batched_rollout_equals_one_context_at_a_time(trained):
-    """Left-padded contexts, G samples each: every row drafts what it drafts alone (greedy) from one block, and
-    the distributions are the cached loop's first round."""
-    target, drafter = trained["target"], trained["drafter"]
-    data = trained["responses"]
-    contexts = [torch.tensor(p + r[:k]) for p, r, k in zip(data["prompt_ids"][:4], data["response_ids"][:4], (0, 3, 5, 1))]
-    policy = AdaptiveWindowPolicy(4, 0.0)
-    batch = draft_windows(drafter, contexts, policy, temperature=0.0, target=target, num_samples_per_context=2)
-    for index, context in enumerate(contexts):
-        alone = draft_windows(drafter, [context], policy, temperature=0.0, target=target)
-        for row in (2 * index, 2 * index + 1):
-            assert torch.equal(batch.window_ids[row], alone.window_ids[0])
-            torch.testing.assert_close(batch.drafter_probs[row], alone.drafter_probs[0], atol=1e-5, rtol=1e-4)
-        looped = speculative_generate(target, drafter, context[None], policy=policy, max_new_tokens=2, eos_token_id=[])
-        assert looped.drafted_per_round[0] == 1  # capped at max_new_tokens - 1; its token is the block's slot 1
-    with pytest.raises(ValueError, match="pass target="):
-        draft_windows(drafter, contexts, policy)
 
 
 def test_ppow_trains_a_block_drafter_with_the_sampled_log_probs(trained, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_bigram_llama, make_tiny_llama, make_tiny_tokenizer
+from conftest import first_two_tokens_test, make_bigram_llama, make_tiny_llama, make_tiny_tokenizer
 from datasets import Dataset
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, set_seed
@@ -133,21 +133,20 @@ def test_cached_features_give_the_same_loss(trained, tmp_path):
         KDTrainer(trained["drafter"], args, train_dataset=trained["topk"], processing_class=trained["tokenizer"])
 
 
-@pytest.mark.parametrize("max_window,threshold", [(4, 0.0), (6, 0.4)])
-def test_greedy_is_lossless_and_exact_tau_equals_the_loop(trained, max_window, threshold):
+def test_features_come_with_verification_on_both_architectures(trained):
+    """On Llama and Qwen2 targets (losslessness and exact tau for every family: test_families.py): one target
+    forward per round plus the prompt's, so the head gets the accepted tokens' features from the verification."""
     target, drafter = trained["target"], trained["drafter"]
-    policy = AdaptiveWindowPolicy(max_window=max_window, threshold=threshold)
+    policy = AdaptiveWindowPolicy(max_window=6, threshold=0.4)
     accepted = 0
-    for prompt in trained["responses"]["prompt_ids"][:6]:
+    for prompt in trained["responses"]["prompt_ids"][:4]:
         prompt = torch.tensor([prompt])
         reference = target.generate(prompt, do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
         out = speculative_generate(target, drafter, prompt, policy=policy, max_new_tokens=16, eos_token_id=[])
         assert torch.equal(out.sequences[0], reference[0])
-        exact = exact_greedy_tau(target, drafter, prompt, policy=policy, max_new_tokens=16, eos_token_id=[])
-        assert exact.accepted_per_round == out.accepted_per_round
-        accepted += sum(out.accepted_per_round)
         assert out.target_forwards == len(out.accepted_per_round) + 1  # features come with verification
-    assert accepted > 10  # the trained drafter is accepted: the feature hand-off is exercised
+        accepted += sum(out.accepted_per_round)
+    assert accepted > 5  # the trained drafter is accepted: the feature hand-off is exercised
 
 
 def test_one_token_prompt_drafts_after_the_first_round(trained):
@@ -159,23 +158,6 @@ def test_one_token_prompt_drafts_after_the_first_round(trained):
     assert torch.equal(out.sequences[0], reference[0]) and out.drafted_per_round[0] == 0 and sum(out.drafted_per_round)
 
 
-def test_batched_rollout_equals_one_context_at_a_time(trained):
-    """Left-padded contexts, G samples each: every row drafts what it drafts alone (greedy), and the sampled
-    distributions are the chain's."""
-    target, drafter = trained["target"], trained["drafter"]
-    data = trained["responses"]
-    contexts = [torch.tensor(p + r[:k]) for p, r, k in zip(data["prompt_ids"][:4], data["response_ids"][:4], (0, 3, 5, 1))]
-    policy = AdaptiveWindowPolicy(4, 0.0)
-    batch = draft_windows(drafter, contexts, policy, temperature=0.0, target=target, num_samples_per_context=2)
-    for index, context in enumerate(contexts):
-        alone = draft_windows(drafter, [context], policy, temperature=0.0, target=target)
-        for row in (2 * index, 2 * index + 1):
-            assert torch.equal(batch.window_ids[row], alone.window_ids[0])
-            torch.testing.assert_close(batch.drafter_probs[row], alone.drafter_probs[0], atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="pass target="):
-        draft_windows(drafter, contexts, policy)
-
-
 def test_sampling_matches_target_distribution():
     """Chi-square: with an (untrained, so often rejected) chain drafter, the first two sampled tokens follow the
     target's own law."""
@@ -184,20 +166,9 @@ def test_sampling_matches_target_distribution():
     target = make_bigram_llama(torch.randn(vocab, vocab, generator=g) * 1.2, num_layers=2)
     torch.manual_seed(3)
     drafter = Eagle3DrafterForCausalLM.from_target(target, target_layer_ids=[0, 1, 2])
-    with torch.no_grad():
-        step = torch.softmax(target(torch.arange(vocab)[None]).logits[0], -1)
-        first = torch.softmax(target(prompt).logits[0, -1], -1)
-    expected = (first[:, None] * step).flatten().double()
-    counts = torch.zeros(vocab * vocab, dtype=torch.double)
-    generator = torch.Generator().manual_seed(5)
-    samples, rejections = 800, 0
-    for _ in range(samples):
-        out = speculative_generate(target, drafter, prompt, policy=AdaptiveWindowPolicy(3, 0.0), max_new_tokens=3,
-                                   do_sample=True, eos_token_id=[], generator=generator)
-        counts[out.new_tokens[0] * vocab + out.new_tokens[1]] += 1
-        rejections += sum(a < d for a, d in zip(out.accepted_per_round, out.drafted_per_round))
+    samples = 800
+    p_value, _, rejections = first_two_tokens_test(target, drafter, prompt, vocab, samples)
     assert rejections > samples // 10
-    _, p_value = chisquare(counts.numpy(), (expected / expected.sum() * samples).numpy())
     assert p_value > 1e-3
 
 

@@ -171,6 +171,9 @@ def test_batched_rollout_equals_one_context_at_a_time(case):
         for row in (2 * index, 2 * index + 1):
             assert torch.equal(batch.window_ids[row], alone.window_ids[0])
             torch.testing.assert_close(batch.drafter_probs[row], alone.drafter_probs[0], atol=1e-5, rtol=1e-4)
+    if case["family"].reads_target:  # refused at once, saying what is missing
+        with pytest.raises(ValueError, match="target="):
+            draft_windows(drafter, contexts, policy)
 
 
 def test_cost_model_charges_the_family_unit(case):
@@ -180,13 +183,20 @@ def test_cost_model_charges_the_family_unit(case):
 
 
 @pytest.mark.parametrize("name", TRAINABLE)
-def test_loss_log_probs_equal_the_sampled_ones(name, data, tmp_path, tmp_path_factory):
+def test_loss_log_probs_equal_the_sampled_ones(name, data, tmp_path, tmp_path_factory, monkeypatch):
     """The PPOW loss's log q (the family's ``window_hidden`` through its head, each context once) equals the
-    rollout's sampled log q, and its gradient reaches the drafter."""
+    rollout's sampled log q, and its gradient reaches the drafter. Rollouts draft in eval mode (as served) and the
+    trainer's folder gets the hook file only where the family's route uses one."""
     import copy
 
+    import ppow_trl.ppow_trainer as trainer_module
     from ppow_trl.ppow_config import PPOWConfig
     from ppow_trl.ppow_trainer import PPOWTrainer
+
+    modes = []
+    verify = trainer_module.verify_windows
+    monkeypatch.setattr(trainer_module, "verify_windows",
+                        lambda target, drafter, *a, **k: modes.append(drafter.training) or verify(target, drafter, *a, **k))
 
     drafter = copy.deepcopy(drafter_of(name, data, tmp_path_factory)).train()
     args = PPOWConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_window=3,
@@ -205,10 +215,14 @@ def test_loss_log_probs_equal_the_sampled_ones(name, data, tmp_path, tmp_path_fa
     assert valid.sum() >= 8
     assert torch.allclose(logps[valid], rewards["sampled_logq"][valid], atol=1e-4), \
         (logps - rewards["sampled_logq"]).abs().max()
+    assert modes == [False] and trainer.model.training  # drafted in eval mode, trained in train mode
     logps.sum().backward()
     grads = [p.grad for p in trainer.model.parameters() if p.requires_grad]
     assert grads and all(g is None or torch.isfinite(g).all() for g in grads)
     assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "custom_generate" / "generate.py").is_file() == get_family(name).writes_hook_file
+    assert (tmp_path / "saved" / "ppow_window_policy.json").is_file()
 
 
 def test_untrainable_families_are_refused_by_the_trainers(data):

@@ -173,7 +173,11 @@ def test_two_processes_with_gradient_accumulation_and_per_token_credit(tmp_path)
 def test_two_processes_evaluate_held_out_tau_and_calibrate_alike(tmp_path):
     """Held-out evaluation with 2 processes: exact greedy tau sharded over them equals one process's computation,
     and both end with the same calibrated rule and the same logged metrics."""
-    reports = launch(torchrun(), tmp_path, "--evaluate")
+    reports = launch(torchrun(), tmp_path, "--evaluate", "--measure-cost")
+    # The measured cost model reaches every process whole: ratios, raw seconds and where they come from.
+    costs = [report["cost_model"] for report in reports]
+    assert costs[0] == costs[1] and costs[0]["raw_seconds"]["drafter_step"] > 0
+    assert costs[0]["description"].startswith("measured by PPOWTrainer")
     evaluations = [report["evaluation"] for report in reports]
     assert evaluations[0]["policy"] == evaluations[1]["policy"]
     logged = [e["logged"] for e in evaluations]

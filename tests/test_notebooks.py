@@ -23,6 +23,9 @@ def test_notebooks_run_in_fast_mode(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    # jupyter_client reads the launching process's working directory even when a kernel path is given: make it one
+    # that exists whatever ran before on this (xdist) worker.
+    monkeypatch.chdir(tmp_path)
     timings = {}
     for name in ORDER:
         notebook = nbformat.read(NOTEBOOKS / name, as_version=4)

@@ -74,3 +74,49 @@ def test_import_does_not_print_bitsandbytes_missing_kernels_warning():
     assert run.returncode == 0, run.stderr
     assert "No module named 'kernels'" not in run.stderr, run.stderr
     assert "kernels-community: the hub is offline" in run.stderr and "another bitsandbytes warning" in run.stderr
+
+
+def test_dflash_loss_refuses_a_window_token_outside_the_shared_vocabulary():
+    """The block loss used to clamp such labels silently (scoring another token); it now raises like every family."""
+    from ppow_trl.dflash import dflash_from_target
+    from ppow_trl.drafting import family_of
+    from ppow_trl.features import context_features
+    from ppow_trl.window_logprobs import window_logprobs
+
+    target = make_tiny_llama(num_layers=4, seed=0)
+    drafter = dflash_from_target(target, mask_token_id=6, block_size=5, target_layer_ids=[0, 1, 3])
+    family = family_of(drafter)
+    layers = family.target_layer_ids(drafter)
+    ids = torch.tensor([[9, 10, 11, 12, 20, 63]])  # context of 4, window (20, 63)
+    mask = torch.ones_like(ids)
+
+    def features(contexts):
+        return context_features(target, contexts, layers)
+
+    ok, _ = window_logprobs(drafter, family, ids, mask, 2, vocab_size=64, temperature=1.0, target=target,
+                            context_features=features)
+    assert ok.shape == (1, 2) and torch.isfinite(ok).all()
+    with pytest.raises(ValueError, match="outside the drafter's vocabulary"):
+        window_logprobs(drafter, family, ids, mask, 2, vocab_size=40, temperature=1.0, target=target,
+                        context_features=features)
+
+
+def test_dflash_drafters_are_recognised_from_hub_ids(tmp_path, monkeypatch):
+    """load_assistant's family detection reads a Hub repo's config.json (it used to look at local folders only)."""
+    import huggingface_hub
+
+    from ppow_trl.dflash import dflash_from_target
+    from ppow_trl.drafting import detect_family, get_family
+
+    target = make_tiny_llama(num_layers=4, seed=0)
+    dflash_from_target(target, mask_token_id=6, block_size=5, target_layer_ids=[0, 1, 3]).save_pretrained(tmp_path)
+    served = []
+
+    def fake_download(repo_id, filename, **kwargs):
+        served.append((repo_id, filename))
+        return str(tmp_path / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    family, layout = detect_family("someone/dflash-drafter", revision="abc")
+    assert family is get_family("dflash") and layout == "transformers" and served[0] == ("someone/dflash-drafter",
+                                                                                        "config.json")
