@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ppow_trl  # noqa: F401  (registers the reduced-vocabulary drafter)
 from ppow_trl.data import encode_prompt, load_prompts, stop_token_ids
-from ppow_trl.generation import exact_greedy_tau
+from ppow_trl.generation import exact_greedy_tau, greedy_continuation
 from ppow_trl.models import load_target
 from ppow_trl.offline import smollm2_path
 from ppow_trl.utils import set_cpu_threads
@@ -53,10 +53,13 @@ def main(argv=None) -> dict:
     tokens = {name: 0 for name in rules}
     with torch.no_grad():
         for row in prompts:
-            ids = torch.tensor([encode_prompt(tokenizer, row["messages"])])
+            prompt = encode_prompt(tokenizer, row["messages"])
+            ids = torch.tensor([prompt])
+            # the target's greedy text, once per prompt (it does not depend on the drafter or the rule)
+            text = greedy_continuation(target, prompt, args.max_new_tokens, len(tokenizer))
             for name, rule in rules.items():
                 result = exact_greedy_tau(target, drafter, ids, policy=rule, max_new_tokens=args.max_new_tokens,
-                                          eos_token_id=eos, vocab_size=len(tokenizer))
+                                          eos_token_id=eos, vocab_size=len(tokenizer), continuation=text)
                 records[name].append(result.accepted_per_round)
                 tokens[name] += len(result.new_tokens)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -92,11 +92,12 @@ import json
 import shutil
 from pathlib import Path
 
+from . import drafter as drafter_module
 from .cost import CostModel
 from .custom_generate import generate as _custom_generate_module
 from .drafting import HUB_KWARGS, detect_family, family_of
 from .standalone import attach_window_policy  # noqa: F401  (public here since the first release)
-from .utils import PEFT_ASSISTANT_MESSAGE, _looks_like_repo_id, is_peft_model
+from .utils import PEFT_ASSISTANT_MESSAGE, _looks_like_repo_id, is_peft_model, load_json
 from .windowing import (  # noqa: F401  (policy_dict and configure_generation_config are public here too)
     GENERATION_CONFIG_KEY,
     WINDOW_POLICY_FILE,
@@ -189,12 +190,8 @@ def _write_modeling_file(folder: Path) -> None:
     if not config_path.is_file():
         return
     config = json.loads(config_path.read_text())
-    from .drafter import PPOWDrafterConfig
-
-    if config.get("model_type") != PPOWDrafterConfig.model_type:
+    if config.get("model_type") != drafter_module.PPOWDrafterConfig.model_type:
         return
-    from . import drafter as drafter_module
-
     lines = Path(drafter_module.__file__).read_text().splitlines(keepends=True)
     kept = [
         f"# ({line.strip()} removed by ppow_trl.assisted: remote code must not re-register the model type)\n"
@@ -274,7 +271,12 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, target=No
             "save_assistant(drafter, folder, policy=AdaptiveWindowPolicy(max_window=K, threshold=h))."
         ) from error
     source = str(folder) if local else str(folder_or_repo)
-    family, _ = detect_family(source, **hub_kwargs)  # a local folder or a Hub id, every registered layout
+    try:
+        family, _ = detect_family(source, **hub_kwargs)  # a local folder or a Hub id, every registered layout
+    except ValueError:
+        if _has_file(source, "adapter_config.json", hub_kwargs):  # an adapter repo (what PPOWTrainer pushes)
+            raise ValueError(f"{folder_or_repo} holds a PEFT adapter. " + PEFT_ASSISTANT_MESSAGE) from None
+        raise
     if family.reads_target and target is None:  # refused before any weight is loaded
         raise ValueError(f"{folder_or_repo} holds a {family.description}: pass load_assistant(folder, "
                          "target=target) so it can read the target.")
@@ -282,11 +284,18 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, target=No
     return family.attach(drafter, target, policy, _saved_vocab_size(source, hub_kwargs))
 
 
+def _has_file(source: str, filename: str, hub_kwargs: dict) -> bool:
+    """Whether a folder or Hub repo holds ``filename``."""
+    try:
+        load_json(source, filename, "", **hub_kwargs)
+    except (FileNotFoundError, OSError, ValueError):
+        return False
+    return True
+
+
 def _saved_vocab_size(source: str, hub_kwargs: dict) -> int | None:
     """The ``vocab_size`` save_assistant recorded in the folder's ``generation_config.json``, read as JSON:
     transformers drops custom fields when the generation config was derived from the model config."""
-    from .utils import load_json
-
     try:
         config = load_json(source, "generation_config.json", "no generation config saved.", **hub_kwargs)
     except FileNotFoundError:

@@ -20,6 +20,8 @@ from datasets import Dataset
 
 from .batching import left_pad, positions_from_mask
 from .drafting import family_of, target_layer_ids
+from .features import target_forward
+from .verification import probabilities_from_logits
 from .windowing import divergence_scores
 
 SELECTOR_STATE_FILE = "ppow_context_selector.pt"
@@ -119,9 +121,6 @@ def _response_probs(target, drafter, ids, mask, positions, keep: int, vocab_size
     target's next-token distributions and the drafter's first window token after each prefix (its family's
     ``response_distributions``). The target's forward also gives the features a feature-conditioned drafter reads
     (``layer_ids``), so no second target pass runs."""
-    from .features import target_forward
-    from .verification import probabilities_from_logits
-
     device = _model_device(target)
     out, features = target_forward(target, layer_ids, input_ids=ids.to(device), attention_mask=mask.to(device),
                                    position_ids=positions.to(device), logits_to_keep=keep, use_cache=False)

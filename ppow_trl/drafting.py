@@ -206,16 +206,16 @@ class DrafterFamily:
         """Undo ``attach``'s hooks on the target (a no-op where none were installed)."""
 
 
-def register_family(name: str, family: str | DrafterFamily, *, first: bool = True) -> None:
-    """Add a family: ``family`` is an instance or ``"module:Class"`` (imported on first use). ``first``: asked
-    before the others by ``family_of`` (the standalone fallback stays last)."""
+def register_family(name: str, family: str | DrafterFamily) -> None:
+    """Add (or replace) a family: ``family`` is an instance or ``"module:Class"`` (imported on first use). It is
+    asked first by ``family_of`` and ``detect_family``, so the standalone fallback (any causal LM) stays last."""
     _LOADED.pop(name, None)
     if isinstance(family, DrafterFamily):
         _LOADED[name] = family
         family = f"{type(family).__module__}:{type(family).__name__}"
     entries = {key: value for key, value in FAMILIES.items() if key != name}
     FAMILIES.clear()
-    FAMILIES.update({name: family, **entries} if first else {**entries, name: family})
+    FAMILIES.update({name: family, **entries})
 
 
 def family_names() -> list[str]:

@@ -23,6 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from ._trl_compat import split_tensor_dict, unwrap_model_for_generation
+from .assisted import write_assistant_files
 from .calibration import calibrate_policy, held_out_contexts
 from .contexts import ContextPool, ContextSelector, refresh_scores
 from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model
@@ -617,8 +618,6 @@ class PPOWTrainer(GRPOTrainer):
         if self.args.should_save:
             # Generation reads the rule and the costs that training used from the drafter's folder; HF's
             # `assistant_model=` path applies the rule through custom_generate/ (see ppow_trl/assisted.py).
-            from .assisted import write_assistant_files
-
             write_assistant_files(output_dir, self.window_policy, self._cost_model, vocab_size=self.vocab_size,
                                   hook=self.family.writes_hook_file)
 

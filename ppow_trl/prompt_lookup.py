@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from ._family_io import read_config
 from .assistant_loop import check_assistant_call, draft_window
 from .batching import shift_rows
-from .drafting import HUB_KWARGS, DrafterFamily
+from .drafting import DrafterFamily
 from .windowing import configure_generation_config
 
 
@@ -164,6 +164,7 @@ class PromptLookupFamily(DrafterFamily):
     peft_task_type = None
     trainable = False
     reduced_head = False
+    writes_hook_file = False  # its HF route is its own generate, installed by load_assistant (attach)
     hf_methods = ()  # HF's own prompt lookup is the benchmark's `prompt_lookup` method; this one runs our rule
 
     def owns(self, model) -> bool:
@@ -190,8 +191,11 @@ class PromptLookupFamily(DrafterFamily):
         return drafter.eval()
 
     def load(self, folder_or_repo, *, target=None, **from_pretrained_kwargs):
-        kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in HUB_KWARGS}
-        return PromptLookupDrafter.from_pretrained(str(folder_or_repo), **kwargs).eval()
+        from_pretrained_kwargs.pop("trust_remote_code", None)  # our own class: no remote code involved
+        drafter = PromptLookupDrafter.from_pretrained(str(folder_or_repo), **from_pretrained_kwargs)
+        if target is not None and "device_map" not in from_pretrained_kwargs:
+            drafter.to(device=next(target.parameters()).device)
+        return drafter.eval()
 
     def session(self, drafter, target=None):
         return PromptLookupSession(drafter)

@@ -137,8 +137,7 @@ def window_logprobs(
     outputs = ("log_probs", "entropy") if compute_entropy else ("log_probs",)
     with autocast:
         log_probs, entropy, *_ = chunked_logprobs(
-            hidden[valid], weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype), labels[valid],
-            temperature, softcap, scale, outputs,
+            hidden[valid], weight, bias, labels[valid], temperature, softcap, scale, outputs,
         )
     # masked_scatter keeps an all-padding batch connected to the graph (a differentiable zero)
     log_probs = log_probs.new_zeros(valid.shape).masked_scatter(valid, log_probs)

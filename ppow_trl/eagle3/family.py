@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._family_io import local_folder, read_config
+from ..batching import left_pad, positions_from_mask
 from ..drafting import HUB_KWARGS, DrafterFamily
 from ..features import target_features
 from ..utils import unwrap_model
@@ -85,8 +86,6 @@ class Eagle3Family(DrafterFamily):
         pairs ``(h_j, c_{j+1})`` once from the target's ``features``, its cache repeated for the windows sharing
         it, then one step per window token on the drafter's own hidden state. Returns the normed states the head
         reads (``lm_head(norm(x))``)."""
-        from ..batching import left_pad, positions_from_mask
-
         model = unwrap_model(drafter)
         device = model.fc.weight.device
         ids, mask = left_pad([c[1:] for c in contexts], 0)
@@ -138,8 +137,6 @@ class Eagle3Family(DrafterFamily):
                                feature_layers=None):
         """Pairs ``(h_j, s_{j+1})`` from the target's ``features``: column ``j`` predicts what the target's column
         ``j + 1`` does, so the same last columns line up."""
-        from ..batching import positions_from_mask
-
         device = ids.device
         out = model(input_ids=ids[:, 1:], target_hidden_states=features[:, :-1].to(device), attention_mask=mask[:, 1:],
                     position_ids=positions_from_mask(mask[:, 1:]), logits_to_keep=keep)

@@ -52,13 +52,13 @@ class Arm:
         return self.kind == "ppow"
 
     @property
-    def kd_arm(self) -> str:
-        """The family's KD arm: it saves the warm start of the family's PPOW arms."""
-        return KD_ARM[self.drafter]
+    def kd_arm(self) -> str | None:
+        """The family's KD arm: it saves the warm start of the family's PPOW arms (``None``: the family has none)."""
+        return KD_ARM.get(self.drafter)
 
     @property
     def saves_warm_start(self) -> bool:
-        return self.name == self.kd_arm
+        return self.kd_arm is not None and self.name == self.kd_arm
 
 
 # The study's name of a family's drafter where it is not the family's own (the standalone family: the target's first

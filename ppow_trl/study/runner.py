@@ -189,7 +189,7 @@ def _cost_and_policy(target, tokenizer, drafter, calibration, config: StudyConfi
 
 def _evaluate_warm(name, target, tokenizer, calibration, tests, config, eos, threads, results, work, budget) -> None:
     """A KD arm's state at the warm-start point, evaluated like an arm (the start of its family's PPOW arms)."""
-    drafter = _load_drafter(work / name)
+    drafter = _load_drafter(work / name, target)
     cost, policy = _cost_and_policy(target, tokenizer, drafter, calibration, config)
     warm = json.loads((work / name / "warm_start.json").read_text())
     history = [row for row in budget.history if row["train_seconds"] <= config.warm_seconds + 60]
@@ -199,9 +199,9 @@ def _evaluate_warm(name, target, tokenizer, calibration, tests, config, eos, thr
     _write(results / "arms" / f"{name}.json", result)
 
 
-def _load_drafter(folder: Path):
-    """A saved drafter of any family, in eval mode (its family's ``load``, ``ppow_trl.drafting.load_drafter``)."""
-    return load_drafter(folder).eval()
+def _load_drafter(folder: Path, target):
+    """A saved drafter of any family on the target's device, in eval mode (its family's ``load``)."""
+    return load_drafter(folder, target=target).to(next(target.parameters()).device).eval()
 
 
 def _build_drafter(arm: Arm, config: StudyConfig, target, tokenizer, draft_vocab):
@@ -265,7 +265,7 @@ def _train_ppow(arm: Arm, config: StudyConfig, target, tokenizer, train, calibra
         raise FileNotFoundError(f"{warm} has no warm start: run the '{arm.kd_arm}' arm first (it saves it).")
     if json.loads((warm / "warm_start.json").read_text()).get("config") != json.loads(json.dumps(config.to_dict())):
         raise ValueError(f"{warm} was trained under another study config: rerun the '{arm.kd_arm}' arm first.")
-    drafter = _load_drafter(warm).train()
+    drafter = _load_drafter(warm, target).train()
     settings = dict(output_dir=str(work / "trainer" / arm.name), max_window=config.max_window,
                     window_threshold=config.window_threshold, num_generations=config.num_generations,
                     per_device_train_batch_size=config.ppow_contexts_per_step * config.num_generations,
@@ -359,9 +359,10 @@ def run_arms(names: list[str], config: StudyConfig, jobs: int, results: Path = R
                         failed.append(name)
             def can_start(n):
                 arm = ARMS[n]
+                if not arm.starts_from_warm:
+                    return True
                 warm_ready = (work / warm_start_of(arm.drafter) / "warm_start.json").is_file()
-                return (not arm.starts_from_warm or warm_ready
-                        or (arm.kd_arm not in running and arm.kd_arm not in todo))
+                return warm_ready or (arm.kd_arm not in running and arm.kd_arm not in todo)
 
             ready = [n for n in todo if can_start(n)]
             while ready and len(running) < jobs:
