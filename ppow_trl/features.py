@@ -87,3 +87,25 @@ def forward_at(model, tokens: list[int], cache, start: int, feature_layers: list
     # drop an all-ones mask). Timed in isolation, with or without a mask the SmolLM2 step costs the same.
     return target_forward(model, feature_layers, input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
                           **kwargs)
+
+
+class RolloutFeatures:
+    """The target's features of the contexts a rollout drafted from, kept for the loss that replays those windows
+    (a drafter reading the target's hidden states): ``keep(contexts)`` computes and remembers them, calling the object
+    with contexts returns theirs (computing the ones not kept, e.g. a reference model's or an evaluation's)."""
+
+    def __init__(self, target, layer_ids: list[int] | None, pad_id: int | None = 0):
+        self.target, self.layer_ids, self.pad_id = target, layer_ids, pad_id or 0
+        self.kept: dict[tuple, torch.Tensor] = {}
+
+    def keep(self, contexts: list[torch.Tensor]) -> list[torch.Tensor]:
+        features = context_features(self.target, contexts, self.layer_ids, self.pad_id)
+        self.kept = {tuple(c.tolist()): f for c, f in zip(contexts, features)}
+        return features
+
+    def __call__(self, contexts: list[torch.Tensor]) -> list[torch.Tensor]:
+        missing = [c for c in contexts if tuple(c.tolist()) not in self.kept]
+        if missing:
+            computed = context_features(self.target, missing, self.layer_ids, self.pad_id)
+            self.kept = {**self.kept, **{tuple(c.tolist()): f for c, f in zip(missing, computed)}}
+        return [self.kept[tuple(c.tolist())] for c in contexts]

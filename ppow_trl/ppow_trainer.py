@@ -11,7 +11,6 @@ probabilities.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 from pathlib import Path
@@ -30,14 +29,14 @@ from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model
 from .credit import per_position_advantages
 from .drafter import ReducedVocabHeadMixin
 from .drafting import family_of
-from .features import context_features
+from .features import RolloutFeatures
 from .model_card import render_model_card, write_model_card
 from .models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
 from .held_out import held_out_tau_counts, held_out_window_metrics
 from .rewards import divergence
 from .rollout import VerifiedWindows, verify_windows, window_rewards
-from .window_logprobs import window_logprobs
+from .window_logprobs import install_loss_route
 from .utils import unwrap_model
 from .windowing import AdaptiveWindowPolicy
 
@@ -141,6 +140,8 @@ class PPOWTrainer(GRPOTrainer):
         self.rollout_func = self._rollout
         if not getattr(self.target, "hf_device_map", None) and not getattr(self.target, "is_quantized", False):
             self.target.to(self.accelerator.device)
+        # The target's features of the latest rollout's contexts, for a drafter reading them (kept for its loss).
+        self._features = RolloutFeatures(self.target, self.family.target_layer_ids(model), self._tokenizer.pad_token_id)
         self._patch_drafter_forward()
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched > 1 and self.accelerator.num_processes == 1:
@@ -185,61 +186,10 @@ class PPOWTrainer(GRPOTrainer):
         return unwrap_model(self.model)
 
     def _patch_drafter_forward(self) -> None:
-        """Two routes into the drafter's own ``forward`` (the innermost model's, where TRL put its fused head), so
-        they run inside DDP's and PEFT's ``forward`` like every training forward:
-
-        - ``ppow_window_logprobs={...}``: the shared-context log-probs of ``window_logprobs`` (the loss path), from
-          the family's ``window_hidden`` (``ppow_trl.drafting``);
-        - TRL's fused head (``fused_lm_head=True``, used when ``shared_context_logprobs=False``): for a
-          reduced-vocabulary drafter, target-id labels are mapped to draft rows first, else the log-probs are
-          silently wrong (docs/design/trainer-notes.md, section 0). Only a standalone causal LM over the target's
-          vocabulary has this path.
-        """
-        drafter, family = self._unwrapped_drafter(), self.family
-        head = family.output_head(drafter, self.target)
-        if hasattr(head, "lora_A"):
-            # Both loss paths project with head.weight, the frozen base weight: a LoRA delta on the head would shape
-            # the sampled q but never the loss.
-            raise ValueError(
-                "LoRA on the drafter's output head is not supported: the loss uses the head's weight, not the adapter's "
-                "delta. Leave lm_head out of target_modules (or train it fully with modules_to_save=['lm_head'])."
-            )
-        reduced = isinstance(drafter, ReducedVocabHeadMixin)
-        if not self.args.shared_context_logprobs:
-            if family.target_layer_ids(drafter) is not None:
-                raise ValueError(f"A {family.description} has no TRL generic loss path (its forward needs the "
-                                 "target's features): keep shared_context_logprobs=True.")
-            head_rows = head.weight.shape[0]
-            if not reduced and head_rows != self.vocab_size:
-                raise ValueError(
-                    f"The drafter's head has {head_rows} rows but the shared vocabulary is {self.vocab_size}: TRL's "
-                    "generic loss path normalises over every row while the rollout samples over the first "
-                    f"{self.vocab_size}, so the log-probs would not be those sampled. Keep shared_context_logprobs=True."
-                )
-        inner_forward = drafter.forward
-
-        @functools.wraps(inner_forward)
-        def forward(*args, ppow_window_logprobs=None, **kwargs):
-            if ppow_window_logprobs is not None:
-                return window_logprobs(drafter, family, kwargs["input_ids"], kwargs["attention_mask"],
-                                       target=self.target, context_features=self._context_features,
-                                       **ppow_window_logprobs)
-            if reduced and kwargs.get("fused_lm_head") and kwargs.get("labels") is not None:
-                kwargs["labels"] = drafter.draft_index(kwargs["labels"])
-            return inner_forward(*args, **kwargs)
-
-        drafter.forward = forward
-        drafter._ppow_window_logprobs = True
-
-    def _context_features(self, contexts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The target's features of each context: those the latest rollout drafted from, else computed now."""
-        kept = getattr(self, "_rollout_features", {})
-        missing = [c for c in contexts if tuple(c.tolist()) not in kept]
-        if missing:
-            computed = context_features(self.target, missing, self.family.target_layer_ids(self.model),
-                                        self._tokenizer.pad_token_id)
-            kept = {**kept, **{tuple(c.tolist()): f for c, f in zip(missing, computed)}}
-        return [kept[tuple(c.tolist())] for c in contexts]
+        """The loss's route into the drafter's own ``forward`` (``window_logprobs.install_loss_route``), reading the
+        target features the latest rollout drafted from (``RolloutFeatures``)."""
+        install_loss_route(self._unwrapped_drafter(), self.family, self.target, vocab_size=self.vocab_size,
+                           shared_context=self.args.shared_context_logprobs, context_features=self._features)
 
     @property
     def cost_model(self) -> CostModel:
@@ -326,10 +276,8 @@ class PPOWTrainer(GRPOTrainer):
             (self.args.seed * 1_000_003 + self._generation_round()) * 1_009 + self.accelerator.process_index
         )
         features = None
-        layer_ids = self.family.target_layer_ids(self.model)
-        if layer_ids is not None:  # kept for the loss, which replays these windows from the same features
-            features = context_features(self.target, contexts, layer_ids, pad_id)
-            self._rollout_features = {tuple(c.tolist()): f for c, f in zip(contexts, features)}
+        if self._features.layer_ids is not None:  # kept for the loss, which replays these windows from them
+            features = self._features.keep(contexts)
         # Drafted in eval mode (no dropout), as served: the windows and their log-probs are the served drafter's.
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs

@@ -17,9 +17,11 @@ projection uses TRL's chunked log-prob kernel, which never materialises the ``(r
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from ._trl_compat import chunked_logprobs
+from .drafter import ReducedVocabHeadMixin
 
 # Config attributes that change the logits in ways this path does not reproduce (TRL's path handles them).
 _UNSUPPORTED_LOGIT_SCALES = ("output_multiplier", "lm_head_multiplier", "logits_scaling")
@@ -144,3 +146,51 @@ def window_logprobs(
     if entropy is not None:
         entropy = entropy.new_zeros(valid.shape).masked_scatter(valid, entropy)
     return log_probs, entropy
+
+
+def install_loss_route(drafter, family, target, *, vocab_size: int, shared_context: bool, context_features) -> None:
+    """Two routes into the drafter's own ``forward`` (the innermost model's, where TRL put its fused head), so they
+    run inside DDP's and PEFT's ``forward`` like every training forward:
+
+    - ``ppow_window_logprobs={...}``: ``window_logprobs`` (the loss path), from the family's ``window_hidden``;
+      ``context_features(contexts)`` gives a feature-conditioned drafter the target's features it drafted from;
+    - TRL's fused head (``fused_lm_head=True``, used when ``shared_context=False``): for a reduced-vocabulary
+      drafter, target-id labels are mapped to draft rows first, else the log-probs are silently wrong
+      (docs/design/trainer-notes.md, section 0). Only a standalone causal LM over the target's vocabulary has it.
+
+    Bad set-ups are refused here, before training: a LoRA on the head, TRL's path for a drafter that needs features
+    or whose head has rows the rollout never samples.
+    """
+    head = family.output_head(drafter, target)
+    if hasattr(head, "lora_A"):
+        # Both loss paths project with head.weight, the frozen base weight: a LoRA delta on the head would shape the
+        # sampled q but never the loss.
+        raise ValueError(
+            "LoRA on the drafter's output head is not supported: the loss uses the head's weight, not the adapter's "
+            "delta. Leave lm_head out of target_modules (or train it fully with modules_to_save=['lm_head'])."
+        )
+    reduced = isinstance(drafter, ReducedVocabHeadMixin)
+    if not shared_context:
+        if family.target_layer_ids(drafter) is not None:
+            raise ValueError(f"A {family.description} has no TRL generic loss path (its forward needs the target's "
+                             "features): keep shared_context_logprobs=True.")
+        head_rows = head.weight.shape[0]
+        if not reduced and head_rows != vocab_size:
+            raise ValueError(
+                f"The drafter's head has {head_rows} rows but the shared vocabulary is {vocab_size}: TRL's generic "
+                "loss path normalises over every row while the rollout samples over the first "
+                f"{vocab_size}, so the log-probs would not be those sampled. Keep shared_context_logprobs=True."
+            )
+    inner_forward = drafter.forward
+
+    @functools.wraps(inner_forward)
+    def forward(*args, ppow_window_logprobs=None, **kwargs):
+        if ppow_window_logprobs is not None:
+            return window_logprobs(drafter, family, kwargs["input_ids"], kwargs["attention_mask"], target=target,
+                                   context_features=context_features, **ppow_window_logprobs)
+        if reduced and kwargs.get("fused_lm_head") and kwargs.get("labels") is not None:
+            kwargs["labels"] = drafter.draft_index(kwargs["labels"])
+        return inner_forward(*args, **kwargs)
+
+    drafter.forward = forward
+    drafter._ppow_window_logprobs = True
