@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from .drafter import ReducedVocabHeadMixin
-from .drafting import family_of
+from .drafting import family_of, load_drafter
 from .utils import unwrap_model
 
 # Columns the trainer reads (from `ppow_trl.data.build_target_responses` + `compute_target_topk`).
@@ -446,7 +446,7 @@ class KDTrainer(Trainer):
 
     Args:
         model: the drafter: a causal LM over the target's tokenizer, a `PPOWDrafterForCausalLM` (reduced
-            vocabulary), a `PeftModel` around either, or a path/Hub id loaded with `AutoModelForCausalLM`. Its
+            vocabulary), a `PeftModel` around either, or a path/Hub id loaded by its family (`load_drafter`). Its
             forward must accept `logits_to_keep` (every transformers causal LM does): only the positions that
             predict response tokens go through the output head.
         args: a `KDConfig` (defaults: `KDConfig()`).
@@ -484,8 +484,8 @@ class KDTrainer(Trainer):
             args = KDConfig()
         elif not isinstance(args, KDConfig):
             raise TypeError(f"KDTrainer needs a KDConfig, got {type(args).__name__}.")
-        if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model)
+        if isinstance(model, str):  # a folder or Hub id of any family, any layout it imports
+            model = load_drafter(model, target=target)
         if peft_config is not None:
             from peft import PeftModel, get_peft_model
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import broadcast, broadcast_object_list
-from transformers import AutoModelForCausalLM
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
@@ -28,7 +27,7 @@ from .contexts import ContextPool, ContextSelector, refresh_scores
 from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model
 from .credit import per_position_advantages
 from .drafter import ReducedVocabHeadMixin
-from .drafting import family_of
+from .drafting import family_of, load_drafter
 from .features import RolloutFeatures
 from .model_card import render_model_card, write_model_card
 from .models import check_compatibility, check_same_device, load_target
@@ -62,7 +61,7 @@ class PPOWTrainer(GRPOTrainer):
 
     Args:
         model: the drafter (a causal LM sharing the target's tokenizer, e.g. from `ppow_trl.make_drafter`),
-            or a path to one.
+            or a folder / Hub id of one (any family, any layout it imports: `ppow_trl.drafting.load_drafter`).
         target_model: the target (frozen, never receives gradients), or a path / Hub id loaded with
             `args.target_quantization` (None, "4bit", "8bit").
         args: a `PPOWConfig`.
@@ -101,10 +100,10 @@ class PPOWTrainer(GRPOTrainer):
             ContextPool(eval_dataset)  # same columns and checks as the training data, failing here
         if train_dataset is None:
             raise ValueError("Pass train_dataset: target-generated responses (ppow_trl.data.build_target_responses).")
-        if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model)
         if isinstance(target_model, str):
             target_model = load_target(target_model, quantization=args.target_quantization)
+        if isinstance(model, str):  # a folder or Hub id of any family, any layout it imports
+            model = load_drafter(model, target=target_model)
         self.vocab_size = check_compatibility(target_model, model, processing_class, drafter_processing_class)
         self.family = family_of(model)  # what this drafter is: its session, loss states, cost unit (ppow_trl.drafting)
         if not self.family.trainable:
