@@ -257,10 +257,14 @@ def detect_family(folder_or_repo, **hub_kwargs) -> tuple[DrafterFamily, str]:
 
 
 def load_drafter(folder_or_repo, *, target=None, **from_pretrained_kwargs):
-    """The drafter in a folder or Hub repo, loaded by its family in whichever layout it was saved."""
+    """The drafter in a folder or Hub repo, loaded by its family in whichever layout it was saved; on ``target``'s
+    device when one is given (and no ``device_map``), where the loops run it."""
     family, _ = detect_family(folder_or_repo, **{k: v for k, v in from_pretrained_kwargs.items()
                                                  if k in HUB_KWARGS})
-    return family.load(folder_or_repo, target=target, **from_pretrained_kwargs)
+    drafter = family.load(folder_or_repo, target=target, **from_pretrained_kwargs)
+    if target is not None and "device_map" not in from_pretrained_kwargs:
+        drafter = drafter.to(next(target.parameters()).device)
+    return drafter
 
 
 HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download")

@@ -201,7 +201,7 @@ def _evaluate_warm(name, target, tokenizer, calibration, tests, config, eos, thr
 
 def _load_drafter(folder: Path, target):
     """A saved drafter of any family on the target's device, in eval mode (its family's ``load``)."""
-    return load_drafter(folder, target=target).to(next(target.parameters()).device).eval()
+    return load_drafter(folder, target=target).eval()
 
 
 def _build_drafter(arm: Arm, config: StudyConfig, target, tokenizer, draft_vocab):
