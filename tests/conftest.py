@@ -166,3 +166,16 @@ def first_two_tokens_test(target, drafter, prompt, vocab: int, samples: int, max
         rejections += sum(a < d for a, d in zip(out.accepted_per_round, out.drafted_per_round))
     _, p_value = chisquare(counts.numpy(), (expected / expected.sum() * samples).numpy())
     return p_value, drafted, rejections
+
+
+def tiny_word_responses(target, tokenizer, count: int = 16):
+    """The target's greedy responses (12 tokens) to ``count`` short word prompts: the data the family tests train
+    and evaluate on."""
+    from datasets import Dataset
+
+    from ppow_trl.data import build_target_responses
+
+    words = [" ".join(f"w{1 + (i * 7 + j) % 55}" for j in range(2 + i % 5)) for i in range(count)]
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": text}]} for i, text in enumerate(words)]
+    return build_target_responses(target, tokenizer, Dataset.from_list(rows), max_new_tokens=12, batch_size=8,
+                                  do_sample=False)

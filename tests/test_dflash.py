@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_bigram_llama, make_tiny_llama, make_tiny_tokenizer
-from datasets import Dataset
+from conftest import make_bigram_llama, make_tiny_llama, make_tiny_tokenizer, tiny_word_responses
 from scipy.stats import chisquare
 from transformers import AutoModel, MuseGlimmerAssistantModel, set_seed
 from transformers.cache_utils import DFlashCache
 
-from ppow_trl.data import build_target_responses, compute_target_topk
+from ppow_trl.data import compute_target_topk
 from ppow_trl.dflash import anchored_block_hidden, dflash_from_target, feature_layers
 from ppow_trl.eagle3 import target_features
 from ppow_trl.generation import exact_greedy_tau, speculative_generate
@@ -55,10 +54,7 @@ def trained(tmp_path_factory):
     """A KD (anchored blocks) DFlash drafter of a tiny Llama (300 steps), its data."""
     tokenizer = make_tiny_tokenizer()
     target = make_tiny_llama(num_layers=4, seed=0, initializer_range=0.5)
-    words = [" ".join(f"w{1 + (i * 7 + j) % 55}" for j in range(2 + i % 5)) for i in range(16)]
-    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": text}]} for i, text in enumerate(words)]
-    responses = build_target_responses(target, tokenizer, Dataset.from_list(rows), max_new_tokens=12, batch_size=8,
-                                       do_sample=False)
+    responses = tiny_word_responses(target, tokenizer)
     topk = compute_target_topk(target, responses, top_k=8)
     set_seed(0)
     drafter = dflash_from_target(target, mask_token_id=MASK_ID, block_size=BLOCK, target_layer_ids=LAYERS).train()

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import first_two_tokens_test, make_bigram_llama, make_tiny_llama, make_tiny_tokenizer
-from datasets import Dataset
+from conftest import (
+    first_two_tokens_test,
+    make_bigram_llama,
+    make_tiny_llama,
+    make_tiny_tokenizer,
+    tiny_word_responses,
+)
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, set_seed
 
-from ppow_trl.data import build_target_responses, compute_target_topk
+from ppow_trl.data import compute_target_topk
 from ppow_trl.data import compute_target_features
 from ppow_trl.eagle3 import Eagle3DrafterForCausalLM, context_features, target_features
 from ppow_trl.generation import exact_greedy_tau, speculative_generate
@@ -89,10 +94,7 @@ def trained(request, tmp_path_factory):
     """A KD-with-TTT EAGLE-3 drafter of a tiny target (60 steps), its data and cached features."""
     tokenizer = make_tiny_tokenizer()
     target = make_tiny_llama(num_layers=4, seed=0, initializer_range=0.5) if request.param == "llama" else make_tiny_qwen2()
-    words = [" ".join(f"w{1 + (i * 7 + j) % 55}" for j in range(2 + i % 5)) for i in range(16)]
-    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": text}]} for i, text in enumerate(words)]
-    responses = build_target_responses(target, tokenizer, Dataset.from_list(rows), max_new_tokens=12, batch_size=8,
-                                       do_sample=False)
+    responses = tiny_word_responses(target, tokenizer)
     topk = compute_target_topk(target, responses, top_k=8)
     set_seed(0)
     drafter = Eagle3DrafterForCausalLM.from_target(target, target_layer_ids=LAYERS).train()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_llama, make_tiny_tokenizer
-from datasets import Dataset
+from conftest import make_tiny_llama, make_tiny_tokenizer, tiny_word_responses
 from transformers import set_seed
 
 from ppow_trl.assisted import load_assistant, save_assistant
 from ppow_trl.cost import calibrate_cost_model
-from ppow_trl.data import build_target_responses, compute_target_topk
+from ppow_trl.data import compute_target_topk
 from ppow_trl.drafting import detect_family, drafting_session, family_names, family_of, get_family, load_drafter
 from ppow_trl.features import context_features
 from ppow_trl.generation import exact_greedy_tau, speculative_generate
@@ -38,10 +37,7 @@ EXPORTS = [(name, layout) for name in family_names() for layout in get_family(na
 def data():
     tokenizer = make_tiny_tokenizer()
     target = make_tiny_llama(num_layers=4, seed=0, initializer_range=0.5)
-    words = [" ".join(f"w{1 + (i * 7 + j) % 55}" for j in range(2 + i % 5)) for i in range(16)]
-    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": text}]} for i, text in enumerate(words)]
-    responses = build_target_responses(target, tokenizer, Dataset.from_list(rows), max_new_tokens=12, batch_size=8,
-                                       do_sample=False)
+    responses = tiny_word_responses(target, tokenizer)
     return {"tokenizer": tokenizer, "target": target, "responses": responses,
             "topk": compute_target_topk(target, responses, top_k=8)}
 
@@ -163,7 +159,8 @@ def test_hf_route_is_lossless(case, tmp_path):
 
 def test_batched_rollout_equals_one_context_at_a_time(case):
     target, drafter, data = case["target"], case["drafter"], case["responses"]
-    contexts = [torch.tensor(p + r[:k]) for p, r, k in zip(data["prompt_ids"][:4], data["response_ids"][:4], (0, 3, 5, 1))]
+    contexts = [torch.tensor(p + r[:k])
+                for p, r, k in zip(data["prompt_ids"][:4], data["response_ids"][:4], (0, 3, 5, 1))]
     policy = AdaptiveWindowPolicy(3, 0.0)
     batch = draft_windows(drafter, contexts, policy, temperature=0.0, target=target, num_samples_per_context=2)
     for index, context in enumerate(contexts):
@@ -195,8 +192,11 @@ def test_loss_log_probs_equal_the_sampled_ones(name, data, tmp_path, tmp_path_fa
 
     modes = []
     verify = trainer_module.verify_windows
-    monkeypatch.setattr(trainer_module, "verify_windows",
-                        lambda target, drafter, *a, **k: modes.append(drafter.training) or verify(target, drafter, *a, **k))
+    def recording(target, drafter, *args, **kwargs):
+        modes.append(drafter.training)
+        return verify(target, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "verify_windows", recording)
 
     drafter = copy.deepcopy(drafter_of(name, data, tmp_path_factory)).train()
     args = PPOWConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_window=3,
