@@ -9,18 +9,18 @@ generation calls it as a causal LM, with ppow_trl's window rule installed as its
 from __future__ import annotations
 
 import functools
-import json
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from ._family_io import read_config
 from .batching import left_pad, positions_from_mask, prefill_contexts, shift_rows
 from .custom_generate.generate import generate as _hook_generate
 from .drafter import ReducedVocabHeadMixin
 from .drafting import DrafterFamily
 from .features import forward_at, target_forward
 from .models import make_drafter
-from .utils import PEFT_ASSISTANT_MESSAGE, crop_cache, is_peft_model, load_json, unwrap_model
+from .utils import PEFT_ASSISTANT_MESSAGE, crop_cache, is_peft_model, unwrap_model
 from .windowing import configure_generation_config
 
 
@@ -127,11 +127,8 @@ class StandaloneFamily(DrafterFamily):
         return callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None
 
     def detect(self, folder_or_repo, **hub_kwargs) -> str | None:
-        try:
-            config = load_json(folder_or_repo, "config.json", "", **hub_kwargs)
-        except (FileNotFoundError, OSError, ValueError, json.JSONDecodeError):
-            return None
-        return "transformers" if config.get("model_type") else None
+        config = read_config(folder_or_repo, **hub_kwargs)
+        return "transformers" if config and config.get("model_type") else None
 
     def build(self, target, tokenizer=None, *, draft_vocab_ids=None, seed: int | None = 0,
               target_name_or_path: str | None = None, num_layers: int | None = 2, pretrained: str | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._family_io import local_folder, read_config
-from ..batching import left_pad, positions_from_mask
+from ..batching import positions_from_mask
 from ..drafting import HUB_KWARGS, DrafterFamily
 from ..features import target_features
 from ..utils import unwrap_model
@@ -13,7 +13,7 @@ from .assisted import attach_to_target
 from .configuration_eagle3 import Eagle3DrafterConfig
 from .convert import export_eagle3, import_eagle3, layout_of_config
 from .modeling_eagle3 import Eagle3DrafterForCausalLM
-from .session import ChainSession
+from .session import ChainSession, context_pairs
 
 
 class Eagle3Family(DrafterFamily):
@@ -88,12 +88,7 @@ class Eagle3Family(DrafterFamily):
         reads (``lm_head(norm(x))``)."""
         model = unwrap_model(drafter)
         device = model.fc.weight.device
-        ids, mask = left_pad([c[1:] for c in contexts], 0)
-        pairs = ids.shape[1]
-        feats = torch.stack([torch.nn.functional.pad(f[: len(c) - 1].to(device), (0, 0, pairs - len(c) + 1, 0))
-                             for f, c in zip(features, contexts)])
-        ids, mask = ids.to(device), mask.to(device)
-        positions = positions_from_mask(mask)
+        ids, mask, feats, positions = context_pairs(contexts, features, 0, device)
         out = drafter(input_ids=ids, target_hidden_states=feats, attention_mask=mask, position_ids=positions,
                       use_cache=True, logits_to_keep=1, full_vocab_logits=False)
         cache, hidden = out.cache, out.hidden_states[:, -1:][inverse]

@@ -14,6 +14,18 @@ from ..batching import left_pad, positions_from_mask
 from ..utils import unwrap_model
 
 
+def context_pairs(contexts: list[torch.Tensor], features: list[torch.Tensor], pad_id: int, device):
+    """Each context's pairs ``(h_j, c_{j+1})``, left-padded: ``(ids, mask, feats, positions)``, ``ids`` ``(B, P)`` the
+    tokens ``c_1..``, ``feats`` ``(B, P, F)`` the target's features of ``c_0..`` (the last one is not read). The batch
+    both drafting (``ChainSession.prefill``) and the loss (``Eagle3Family.window_hidden``) start from."""
+    ids, mask = left_pad([torch.as_tensor(c)[1:] for c in contexts], pad_id)
+    width = ids.shape[1]
+    feats = torch.stack([torch.nn.functional.pad(f[: len(c) - 1].to(device), (0, 0, width - len(c) + 1, 0))
+                         for f, c in zip(features, contexts)])
+    ids, mask = ids.to(device), mask.to(device)
+    return ids, mask, feats, positions_from_mask(mask)
+
+
 class ChainSession:
     """A feature-conditioned chain drafter (EAGLE-3): its KV cache over real pairs, the target features it has
     not read yet, and the hidden state it feeds back while drafting."""
@@ -81,13 +93,7 @@ class ChainSession:
         for context in contexts:
             if len(context) < 2:
                 raise ValueError("A feature-conditioned drafter needs contexts of at least 2 tokens (one pair).")
-        device = self.model.fc.weight.device
-        ids, mask = left_pad([torch.as_tensor(c)[1:] for c in contexts], pad_id)
-        width = ids.shape[1]
-        feats = torch.stack([torch.nn.functional.pad(f[: len(c) - 1], (0, 0, width - len(c) + 1, 0))
-                             for f, c in zip(features, contexts)])
-        ids, mask, feats = ids.to(device), mask.to(device), feats.to(device)
-        positions = positions_from_mask(mask)
+        ids, mask, feats, positions = context_pairs(contexts, features, pad_id, self.model.fc.weight.device)
         if num_samples > 1:
             ids, mask, feats, positions = (t.repeat_interleave(num_samples, dim=0) for t in (ids, mask, feats, positions))
         self.cache = None
