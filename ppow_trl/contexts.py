@@ -116,16 +116,23 @@ def _model_device(model) -> torch.device:
 
 
 def _response_probs(target, drafter, ids, mask, positions, keep: int, vocab_size: int, target_temperature: float,
-                    drafter_temperature: float, layer_ids=None):
+                    drafter_temperature: float, layer_ids=None, greedy_from_text: bool = False):
     """``(p, q)`` at the last ``keep - 1`` scoring positions of a left-padded batch, ``(B, keep - 1, V)`` each: the
     target's next-token distributions and the drafter's first window token after each prefix (its family's
     ``response_distributions``). The target's forward also gives the features a feature-conditioned drafter reads
-    (``layer_ids``), so no second target pass runs."""
-    device = _model_device(target)
-    out, features = target_forward(target, layer_ids, input_ids=ids.to(device), attention_mask=mask.to(device),
-                                   position_ids=positions.to(device), logits_to_keep=keep, use_cache=False)
-    # logits_to_keep keeps the last `keep` positions; the very last one predicts past the sequence's end.
-    p = probabilities_from_logits(out.logits[:, -keep:-1, :vocab_size], target_temperature)
+    (``layer_ids``), so no second target pass runs. ``greedy_from_text``: the sequences are the target's greedy text,
+    so its greedy ``p`` at each position is the one-hot of the next token of ``ids`` and the target runs only for
+    features (``ppow_trl.cached_verification``)."""
+    features = None
+    if greedy_from_text:
+        p = torch.nn.functional.one_hot(ids[:, -(keep - 1):], vocab_size).float()
+    if layer_ids is not None or not greedy_from_text:
+        device = _model_device(target)
+        out, features = target_forward(target, layer_ids, input_ids=ids.to(device), attention_mask=mask.to(device),
+                                       position_ids=positions.to(device), logits_to_keep=keep, use_cache=False)
+        if not greedy_from_text:
+            # logits_to_keep keeps the last `keep` positions; the very last one predicts past the sequence's end.
+            p = probabilities_from_logits(out.logits[:, -keep:-1, :vocab_size], target_temperature)
     device = _model_device(drafter)
     logits, _ = family_of(drafter).response_distributions(drafter, ids.to(device), mask.to(device),
                                                           positions.to(device), keep, target=target,
@@ -136,7 +143,7 @@ def _response_probs(target, drafter, ids, mask, positions, keep: int, vocab_size
 @torch.no_grad()
 def score_sequences(target, drafter, sequences, prompt_lengths, *, vocab_size: int, target_temperature: float = 1.0,
                     drafter_temperature: float = 1.0, kind: str = "kl", pad_id: int = 0, batch_size: int = 8,
-                    max_batch_logits: int = 1 << 26) -> list[torch.Tensor]:
+                    max_batch_logits: int = 1 << 26, greedy_from_text: bool = False) -> list[torch.Tensor]:
     """``s_t = conf_t * D(p_t, q_t)`` at every response position of each sequence (teacher forced).
 
     Returns one ``(T_i,)`` float32 tensor per sequence, on the drafter's device, ``T_i = len(ids_i) -
@@ -148,7 +155,11 @@ def score_sequences(target, drafter, sequences, prompt_lengths, *, vocab_size: i
     sees the positions it would see alone) of at most ``batch_size`` sequences and ``max_batch_logits``
     elements of ``(B, T, V)`` logits per model (a longer sequence goes alone); only the response
     positions' logits are built (``logits_to_keep``) and the divergence is computed on the drafter's device.
+    ``greedy_from_text`` (``target_temperature = 0`` on the target's own greedy text): ``p_t`` is the one-hot of the
+    sequence's next token, read from the text instead of a target forward (``_response_probs``).
     """
+    if greedy_from_text and target_temperature != 0:
+        raise ValueError("greedy_from_text reads the target's greedy (one-hot) p from the text: target_temperature must be 0.")
     sequences = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
     prompt_lengths = [int(p) for p in prompt_lengths]
     if len(sequences) != len(prompt_lengths):
@@ -168,7 +179,7 @@ def score_sequences(target, drafter, sequences, prompt_lengths, *, vocab_size: i
         ids, mask = left_pad([sequences[i] for i in batch], pad_id)
         positions = positions_from_mask(mask)
         p, q = _response_probs(target, drafter, ids, mask, positions, keep, vocab_size, target_temperature,
-                               drafter_temperature, layer_ids)
+                               drafter_temperature, layer_ids, greedy_from_text)
         p = p.to(device)
         rows = divergence_scores(p, q, kind=kind)  # (B, keep - 1): sequence i's response is its last T_i columns
         for row, i in enumerate(batch):
@@ -353,7 +364,7 @@ class ContextSelector:
 
 def refresh_scores(selector: ContextSelector, pool: ContextPool, target, drafter, accelerator, *, count: int,
                    vocab_size: int, target_temperature: float, drafter_temperature: float, kind: str,
-                   pad_id: int) -> None:
+                   pad_id: int, greedy_from_text: bool = False) -> None:
     """Rescore a rotating subset of ``count`` sequences with the current drafter, ``s_t = conf_t * D(p_t, q_t)``.
 
     Each process scores its share (``score_sequences``) with its own (DDP: full) drafter copy; the scores are then
@@ -368,7 +379,8 @@ def refresh_scores(selector: ContextSelector, pool: ContextPool, target, drafter
     mine = shares[accelerator.process_index]
     rows = score_sequences(target, drafter, [pool.sequence_ids(s) for s in mine], [len(pool.prompts[s]) for s in mine],
                            vocab_size=vocab_size, target_temperature=target_temperature,
-                           drafter_temperature=drafter_temperature, kind=kind, pad_id=pad_id)
+                           drafter_temperature=drafter_temperature, kind=kind, pad_id=pad_id,
+                           greedy_from_text=greedy_from_text)
     local = torch.cat([row.float().to(device) for row in rows]) if rows else torch.zeros(0, device=device)
     if world > 1:
         # Every process knows every share's size from the pool: pad to the largest, all-gather, unpad.

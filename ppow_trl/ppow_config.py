@@ -72,6 +72,17 @@ class PPOWConfig(GRPOConfig):
         acceptance (`str`, *optional*, defaults to `"expected"`):
             `"expected"`: E[A|y] under speculative sampling, with the target at `verify_temperature`.
             `"greedy"`: the realised greedy accepted length A (verification against the target's argmax).
+        reward_source (`str`, *optional*, defaults to `"target"`):
+            Where greedy rewards come from. `"target"`: the target verifies every window (one forward per batch).
+            `"cache"`: from the training text itself (`ppow_trl.cached_verification`), exact when the responses are
+            the target's own greedy text: `A` is the leading run of matches with the response's next tokens, and the
+            target runs only for windows that run past a response's end; the selection scores' `p` is read from the
+            text too (drafters that read the target's hidden states still run it for their features). Needs
+            `acceptance="greedy"` and `proximity_positions="reached"`.
+        proximity_positions (`str`, *optional*):
+            The positions R_prox averages over: `"window"` (every drafted position, PPOW.md) or `"reached"` (position i
+            weighted by P(A >= i - 1 | y): the positions verification reaches). Default: `"reached"` with
+            `reward_source="cache"`, else `"window"`.
         verify_temperature (`float`, *optional*, defaults to `1.0`):
             Temperature of the target's distributions p_i in `"expected"` mode (match the decoding
             temperature you will serve with).
@@ -132,6 +143,8 @@ class PPOWConfig(GRPOConfig):
     proximity_weight: float = field(default=0.5, metadata={"help": "lambda in R = R_speed + lambda R_prox."})
     proximity_divergence: str = field(default="tv", metadata={"help": "'tv', 'kl' or 'js'."})
     acceptance: str = field(default="expected", metadata={"help": "'expected' (E[A|y]) or 'greedy' (A)."})
+    reward_source: str = field(default="target", metadata={"help": "'target' (verify windows) or 'cache' (greedy, from the text)."})
+    proximity_positions: str | None = field(default=None, metadata={"help": "'window' or 'reached' (default by reward_source)."})
     verify_temperature: float = field(default=1.0, metadata={"help": "Temperature of the target's p_i."})
     per_token_credit: str = field(default="none", metadata={"help": "'none', 'replace' or 'add' (per-position advantages)."})
     selection_beta: float = field(default=1.0, metadata={"help": "Selection strength; 0 = uniform."})
@@ -166,6 +179,8 @@ class PPOWConfig(GRPOConfig):
             self.metric_for_best_model = "eval_tau"
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
+        if self.proximity_positions is None:
+            self.proximity_positions = "reached" if self.reward_source == "cache" else "window"
         self.max_completion_length = self.max_window if isinstance(self.max_window, int) else None
         self.validate_training_numbers()  # first: GRPOConfig's own set-up divides by some of them
         super().__post_init__()
@@ -228,6 +243,17 @@ class PPOWConfig(GRPOConfig):
             errors.append(f"speed_reward must be 'cost' or 'tokens', got {self.speed_reward!r}.")
         if self.acceptance not in ("expected", "greedy"):
             errors.append(f"acceptance must be 'expected' or 'greedy', got {self.acceptance!r}.")
+        if self.reward_source not in ("target", "cache"):
+            errors.append(f"reward_source must be 'target' or 'cache', got {self.reward_source!r}.")
+        if self.proximity_positions not in ("window", "reached"):
+            errors.append(f"proximity_positions must be 'window' or 'reached', got {self.proximity_positions!r}.")
+        if self.reward_source == "cache" and self.acceptance != "greedy":
+            errors.append("reward_source='cache' needs acceptance='greedy': T = 1 rewards read the target's "
+                          "distributions after drafted tokens that are not in the cached text. Use "
+                          "reward_source='target' for acceptance='expected'.")
+        if self.reward_source == "cache" and self.proximity_positions != "reached":
+            errors.append("reward_source='cache' needs proximity_positions='reached': the cached text holds the "
+                          "target's distribution only up to a window's first rejection.")
         for name in ("proximity_divergence", "selection_divergence"):
             if getattr(self, name) not in DIVERGENCES:
                 errors.append(f"{name} must be one of {DIVERGENCES}, got {getattr(self, name)!r}.")

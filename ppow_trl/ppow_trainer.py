@@ -34,6 +34,7 @@ from .models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
 from .held_out import held_out_tau_counts, held_out_window_metrics
 from .rewards import divergence
+from .cached_verification import cached_next_tokens, verify_windows_from_cache
 from .rollout import VerifiedWindows, verify_windows, window_rewards
 from .window_logprobs import install_loss_route
 from .utils import unwrap_model
@@ -236,6 +237,7 @@ class PPOWTrainer(GRPOTrainer):
         local = len(inputs) // group
         chosen = self.context_selector.draw(self._generation_round(), local * self.accelerator.num_processes)
         mine = chosen[self.accelerator.process_index * local : (self.accelerator.process_index + 1) * local].tolist()
+        self._round_candidates = mine  # the contexts' places in the training text (cached rewards read it)
         return [{"candidate": c, "prompt": self.context_pool.context(c)} for c in mine for _ in range(group)]
 
     def _refresh_selection_scores(self) -> None:
@@ -246,7 +248,8 @@ class PPOWTrainer(GRPOTrainer):
             refresh_scores(self.context_selector, self.context_pool, self.target, drafter, self.accelerator,
                            count=args.selection_refresh_sequences, vocab_size=self.vocab_size,
                            target_temperature=self._verify_temperature, drafter_temperature=args.temperature,
-                           kind=args.selection_divergence, pad_id=pad_id)
+                           kind=args.selection_divergence, pad_id=pad_id,
+                           greedy_from_text=args.reward_source == "cache")
         self.context_selector.last_refresh_step = self.state.global_step
 
     # ------------------------------------------------------------------ rollout and rewards
@@ -260,7 +263,20 @@ class PPOWTrainer(GRPOTrainer):
         model, speed reward and proximity settings)."""
         cost_model = self.cost_model if self.args.speed_reward == "cost" else None
         return window_rewards(verified, cost_model, proximity_divergence=self.args.proximity_divergence,
-                              proximity_weight=self.args.proximity_weight)
+                              proximity_weight=self.args.proximity_weight,
+                              proximity_positions=self.args.proximity_positions)
+
+    def _cached_next_tokens(self, contexts: list[torch.Tensor]) -> torch.Tensor | None:
+        """The training text's next ``K + 1`` tokens after each context of this round (``reward_source="cache"``), or
+        ``None`` where the rows are not this round's training contexts (evaluation rollouts: the target verifies)."""
+        candidates = getattr(self, "_round_candidates", None)
+        if self.args.reward_source != "cache" or not self.model.training or candidates is None:
+            return None
+        sequences, starts = self.context_pool.locate(candidates)
+        if len(candidates) != len(contexts) or any(
+                len(c) != len(self.context_pool.prompts[q]) + int(t) for c, q, t in zip(contexts, sequences, starts)):
+            raise RuntimeError("The rollout's contexts are not this round's selected contexts.")
+        return cached_next_tokens([self.context_pool.responses[q] for q in sequences], starts, self.args.max_window + 1)
 
     def _rollout(self, prompts: list[list[int]], trainer=None) -> dict:
         """Draft G windows per context, verify them with the target, and compute the rewards."""
@@ -281,11 +297,20 @@ class PPOWTrainer(GRPOTrainer):
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
         ) as drafter, torch.no_grad(), _eval_mode(drafter):
-            verified = verify_windows(self.target, drafter, contexts, self.rollout_policy,
-                                      greedy=self.args.acceptance == "greedy", temperature=self.args.temperature,
-                                      verify_temperature=self._verify_temperature, pad_id=pad_id,
-                                      vocab_size=self.vocab_size, generator=generator, num_samples_per_context=group,
-                                      features=features)
+            next_tokens = self._cached_next_tokens(contexts)
+            if next_tokens is None:
+                verified = verify_windows(self.target, drafter, contexts, self.rollout_policy,
+                                          greedy=self.args.acceptance == "greedy", temperature=self.args.temperature,
+                                          verify_temperature=self._verify_temperature, pad_id=pad_id,
+                                          vocab_size=self.vocab_size, generator=generator,
+                                          num_samples_per_context=group, features=features)
+                target_rows = len(verified.prefix)
+            else:
+                verified, target_rows = verify_windows_from_cache(
+                    drafter, contexts, next_tokens, self.rollout_policy, target=self.target,
+                    temperature=self.args.temperature, pad_id=pad_id, vocab_size=self.vocab_size, generator=generator,
+                    num_samples_per_context=group, features=features)
+            self._log_metric("ppow/target_verified_share", target_rows / max(len(verified.prefix), 1))
         drafted, target_probs = verified.drafted, verified.target_probs
         terms = self.window_rewards(verified)
         self._log_window_metrics(terms, drafted, target_probs)

@@ -172,18 +172,37 @@ def verify_windows(
     return VerifiedWindows(drafted=drafted, target_probs=p, prefix=prefix)
 
 
+PROXIMITY_POSITIONS = ("window", "reached")
+
+
+def reached_positions(prefix: torch.Tensor, window_mask: torch.Tensor) -> torch.Tensor:
+    """``P(position k is verified) = P(A >= k - 1 | y)`` for ``k <= L`` (1 at ``k = 1``), 0 past ``L``: ``(B, K)``.
+
+    Greedy: 1 on the matched positions and the first mismatch, 0 after it (positions a served round never reads).
+    """
+    reached = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], dim=-1)
+    return reached * window_mask
+
+
 def window_rewards(verified: VerifiedWindows, cost_model: CostModel | None, *, proximity_divergence: str = "tv",
-                   proximity_weight: float = 1.0) -> dict[str, torch.Tensor]:
+                   proximity_weight: float = 1.0, proximity_positions: str = "window") -> dict[str, torch.Tensor]:
     """The reward terms of PPOW.md for verified windows.
 
     Returns ``accepted`` (E[A|y], or A when greedy), ``prefix`` (P(A >= k)), ``lengths`` (L), ``speed``
-    (``R_speed = S(y)`` with ``cost_model``, else ``E[A|y] + 1``), ``proximity`` (``R_prox = (1/L) sum_i r_i``) and
-    ``credit`` (the per-position credit ``C_k`` of ``ppow_trl.credit``, 0 past L).
+    (``R_speed = S(y)`` with ``cost_model``, else ``E[A|y] + 1``), ``proximity`` (``R_prox = (1/L) sum_i w_i r_i``) and
+    ``credit`` (the per-position credit ``C_k`` of ``ppow_trl.credit``, 0 past L). ``proximity_positions``: ``"window"``
+    (``w_i = 1`` on every drafted position, PPOW.md) or ``"reached"`` (``w_i = P(A >= i - 1 | y)``, the positions
+    verification reaches: what cached greedy rewards can compute, ``ppow_trl.cached_verification``).
     """
+    if proximity_positions not in PROXIMITY_POSITIONS:
+        raise ValueError(f"proximity_positions must be one of {PROXIMITY_POSITIONS}, got {proximity_positions!r}.")
     drafted, prefix = verified.drafted, verified.prefix
     accepted, lengths = verified.accepted, drafted.window_mask.sum(-1)
     r_speed = speedup(accepted, lengths, cost_model) if cost_model is not None else accepted + 1.0
     terms = proximity_terms(verified.target_probs, drafted.drafter_probs, kind=proximity_divergence)
+    if proximity_positions == "reached":
+        weight = reached_positions(prefix, drafted.window_mask)
+        terms = torch.where(weight > 0, terms * weight, 0.0)  # not 0 * -inf: -KL of a one-hot q off the reached path
     r_prox = (terms * drafted.window_mask).sum(-1) / lengths.clamp_min(1)
     credit = per_position_credit(prefix, terms, drafted.window_mask, cost_model, proximity_weight)
     return {"accepted": accepted, "prefix": prefix, "lengths": lengths, "speed": r_speed, "proximity": r_prox,
