@@ -160,6 +160,18 @@ class KDConfig(TrainingArguments):
         metadata={"help": "DFlash block drafters only: slot k's loss weight is exp(-(k - 1) / gamma) (speculators' 4 "
                   "for blocks of 8; SpecForge uses 7 for blocks of 16)."},
     )
+    eval_tau_window: int = field(
+        default=0,
+        metadata={
+            "help": "K of `eval_tau`: exact greedy tau (fixed windows of K, h = 0) over the eval rows' prompts, with "
+            "their `response_ids` as the target's greedy text (needs `target=`). Usable as `metric_for_best_model` "
+            "with transformers' EarlyStoppingCallback. 0: no eval_tau (eval rows then need the KD columns)."
+        },
+    )
+    eval_max_new_tokens: int = field(
+        default=128,
+        metadata={"help": "Tokens per eval prompt for `eval_tau` (the eval responses' generation length)."},
+    )
     max_length: int | None = field(
         default=1024,
         metadata={
@@ -181,6 +193,9 @@ class KDConfig(TrainingArguments):
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}.")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"ttt_decay must lie in (0, 1], got {self.ttt_decay}.")
+        if self.eval_tau_window < 0 or self.eval_max_new_tokens < 1:
+            raise ValueError(f"eval_tau_window must be >= 0 and eval_max_new_tokens >= 1, got {self.eval_tau_window} "
+                             f"and {self.eval_max_new_tokens}.")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length must be at least 2 (a prompt and a response token), got {self.max_length}.")
         super().__post_init__()
@@ -515,8 +530,17 @@ class KDTrainer(Trainer):
         if train_dataset is not None:
             check_kd_columns(getattr(train_dataset, "column_names", None), "train_dataset")
         eval_sets = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        if args.eval_tau_window and target is None:
+            raise ValueError("eval_tau_window > 0 measures exact greedy tau against the target: pass target= (the "
+                             "frozen target), or set eval_tau_window=0.")
         for dataset in eval_sets:
-            if dataset is not None:
+            if dataset is not None and args.eval_tau_window:
+                # eval_tau only reads prompts and the target's greedy responses; the KD columns add eval_loss
+                missing = {"prompt_ids", "response_ids"} - set(getattr(dataset, "column_names", None) or [])
+                if missing:
+                    raise ValueError(f"eval_dataset lacks {sorted(missing)}: eval_tau needs held-out prompts and the "
+                                     "target's greedy responses (ppow_trl.data.build_target_responses).")
+            elif dataset is not None:
                 check_kd_columns(getattr(dataset, "column_names", None), "eval_dataset")
 
         if data_collator is None:
@@ -604,6 +628,48 @@ class KDTrainer(Trainer):
             if model.training:
                 self.trained_positions += int(stats[0, 2])  # response positions trained on, all processes
         return (loss, outputs) if return_outputs else loss
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """transformers' loop (``eval_loss`` where the rows carry the teacher's top-k), plus ``eval_tau`` with
+        ``eval_tau_window`` (``held_out_tau``); metrics added here reach ``metric_for_best_model`` and the callbacks."""
+        from transformers.trainer_utils import EvalLoopOutput
+
+        dataset = dataloader.dataset
+        if set(KD_COLUMNS) <= set(getattr(dataset, "column_names", None) or []):
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+        else:
+            output = EvalLoopOutput(predictions=None, label_ids=None, metrics={}, num_samples=len(dataset))
+        if self.args.eval_tau_window:
+            output.metrics[f"{metric_key_prefix}_tau"] = self.held_out_tau(dataset)
+        return output
+
+    @torch.no_grad()
+    def held_out_tau(self, dataset) -> float:
+        """Exact greedy tau at fixed windows of ``eval_tau_window`` over ``dataset``'s prompts, with its
+        ``response_ids`` as the target's greedy text (ratio of sums; prompts sharded over the processes)."""
+        from .held_out import held_out_tau_counts
+        from .windowing import AdaptiveWindowPolicy
+
+        acc = self.accelerator
+        rows = dataset.select(range(acc.process_index, len(dataset), acc.num_processes))
+        continuations = {tuple(p): list(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])}
+        drafter = unwrap_model(self.model)
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            counts = held_out_tau_counts(self.target, drafter, rows["prompt_ids"],
+                                         [AdaptiveWindowPolicy(self.args.eval_tau_window, 0.0)],
+                                         max_new_tokens=self.args.eval_max_new_tokens,
+                                         vocab_size=len(self.processing_class) if self.processing_class is not None
+                                         else self.target.config.vocab_size, continuations=continuations)
+        finally:
+            drafter.train(was_training)
+        counts = counts.float().to(acc.device)
+        if acc.num_processes > 1:
+            counts = acc.reduce(counts, reduction="sum")
+        return float(counts[0] / counts[1].clamp_min(1))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

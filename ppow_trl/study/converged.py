@@ -1,0 +1,232 @@
+"""The converged study: KD to convergence, then PPOW and its rivals refine the converged drafter at equal extra budget.
+
+    python benchmarks/study_converged.py                   # everything; reruns skip finished stages
+    python benchmarks/study_converged.py --stage converge  # only the converged drafters
+    python benchmarks/study_converged.py --report-only     # summary.json and BENCHMARKS.md from the JSON
+
+Stage 1 (``converge``), per family (the truncated drafter, the EAGLE-3 head): KD on the study's data (``StudyData``:
+the target's greedy responses to 640 ShareGPT prompts, 56k tokens, its top-32) until the held-out exact greedy
+tau stops rising: ``KDTrainer`` with ``eval_tau_window`` and transformers' ``EarlyStoppingCallback``
+(``metric_for_best_model="eval_tau"``, ``patience`` evaluations), the best checkpoint restored. Checkpoints make it
+resumable: a rerun continues from the last one.
+
+Stage 2 (``arms``), from each converged drafter, every arm for ``extra_seconds`` of optimizer-step time, under
+``seeds``:
+
+- ``kd_more``: KD continued (same loss, learning rate and data);
+- ``ppow_cache``: PPOW with greedy rewards from the cached text (``reward_source="cache"``);
+- ``ppow_t1``: PPOW with T = 1 rewards (E[A|y] under speculative sampling, the target verifying every window);
+- ``on_policy``: on-policy distillation (DistillSpec; TRL's GKD with ``lmbda = 1``): windows drafted by the drafter,
+  the target's top-k distribution at every window position, forward KL + TV (``ppow_trl.on_policy``);
+- ``ppow_dense``: ``ppow_cache`` plus the dense per-position credit (``per_token_credit="add"``).
+
+Every arm is evaluated as the study evaluates (``runner.evaluate_arm``): exact greedy tau on the 80 MT-bench first
+turns and the held-out ShareGPT prompts at fixed K and at the converged drafter's calibrated rule, and T = 1
+closed-form E[A|y] on MT-bench. Results: ``benchmarks/results/study_converged/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .arms import EAGLE3_BUILD, Arm
+from .runner import StudyConfig
+
+RESULTS = Path("benchmarks/results/study_converged")
+WORK = Path("outputs/study_converged")
+FAMILIES = {"truncated": Arm("converge", "kd", "KD to convergence"),
+            "eagle3": Arm("converge", "kd", "KD to convergence", drafter="eagle3", build=EAGLE3_BUILD)}
+ARMS = ("kd_more", "ppow_cache", "ppow_t1", "on_policy", "ppow_dense")
+
+
+@dataclass(frozen=True)
+class ConvergedConfig:
+    """Everything a converged-study result depends on (saved in each result; a change reruns it)."""
+
+    study: StudyConfig = field(default_factory=StudyConfig)
+    eval_steps: int = 20  # KD optimizer steps between held-out tau measurements
+    patience: int = 4  # evaluations without a new best before KD stops
+    max_kd_steps: int = 500
+    extra_seconds: float = 180.0  # each arm's optimizer-step time after the converged point
+    probe_every_seconds: float = 60.0
+    seeds: tuple[int, ...] = (0, 1)
+    on_policy_contexts_per_step: int = 4
+    on_policy_windows_per_context: int = 2
+    on_policy_learning_rate: float = 1e-4
+    on_policy_top_k: int = 32
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def smoke(cls) -> "ConvergedConfig":
+        return cls(study=StudyConfig.smoke(), eval_steps=2, patience=1, max_kd_steps=4, extra_seconds=4.0,
+                   probe_every_seconds=2.0, seeds=(0,), on_policy_contexts_per_step=2)
+
+
+def _json_equal(a, b) -> bool:
+    return json.loads(json.dumps(a)) == json.loads(json.dumps(b))
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------------------ stage 1: converge
+
+
+def converge(family: str, config: ConvergedConfig, results: Path = RESULTS, work: Path = WORK) -> dict:
+    """KD until the held-out exact greedy tau stops rising; saves the best drafter, its cost model and rule."""
+    import tempfile
+
+    from transformers import EarlyStoppingCallback, set_seed
+
+    from ..assisted import save_assistant
+    from ..data import stop_token_ids
+    from ..drafting import get_family
+    from ..kd_trainer import KDConfig, KDTrainer
+    from ..utils import set_cpu_threads
+    from .data import train_topk
+    from .runner import _build_drafter, _cost_and_policy, _load, _result, evaluate_arm
+
+    threads = set_cpu_threads()
+    study, arm = config.study, FAMILIES[family]
+    set_seed(study.seed)
+    target, tokenizer, train, calibration, tests, draft_vocab = _load(study)
+    eos = stop_token_ids(target, tokenizer)
+    data = train_topk(target, train, study.data)
+    drafter = _build_drafter(arm, study, target, tokenizer, draft_vocab).train()
+    layer_ids = get_family(arm.family).target_layer_ids(drafter)
+    if layer_ids is not None:
+        from .data import train_features
+
+        data = train_features(target, data, layer_ids, study.data)
+    folder = work / f"{family}_kd"
+    args = KDConfig(output_dir=str(folder / "trainer"), loss=arm.kd_loss, max_steps=config.max_kd_steps,
+                    per_device_train_batch_size=study.kd_batch_size, learning_rate=study.kd_learning_rate,
+                    lr_scheduler_type="constant_with_warmup", warmup_steps=20, logging_steps=10,
+                    eval_strategy="steps", eval_steps=config.eval_steps, save_strategy="steps",
+                    save_steps=config.eval_steps, save_total_limit=2, load_best_model_at_end=True,
+                    metric_for_best_model="eval_tau", greater_is_better=True, eval_tau_window=study.probe_max_window,
+                    eval_max_new_tokens=study.data.train_max_new_tokens, report_to="none", disable_tqdm=True,
+                    max_length=640, seed=study.seed, use_cpu=True)
+    trainer = KDTrainer(model=drafter, args=args, train_dataset=data, eval_dataset=calibration,
+                        processing_class=tokenizer, target=target,
+                        callbacks=[EarlyStoppingCallback(early_stopping_patience=config.patience)])
+    checkpoints = sorted((folder / "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    clock = time.perf_counter()
+    trainer.train(resume_from_checkpoint=str(checkpoints[-1]) if checkpoints else None)
+    seconds = time.perf_counter() - clock
+    drafter = trainer.model.eval()
+    cost, policy = _cost_and_policy(target, tokenizer, drafter, calibration, study)
+    save_assistant(drafter, work / f"{family}_converged", policy=policy, cost_model=cost, tokenizer=tokenizer)
+    curve = [{"step": row["step"], "held_out_tau_fixed_k": row["eval_tau"]} for row in trainer.state.log_history
+             if "eval_tau" in row]
+    trained = {"optimizer_steps": trainer.state.global_step, "best_step": _best_step(trainer),
+               "trained_positions": trainer.trained_positions,
+               "stopped_early": trainer.state.global_step < config.max_kd_steps}
+    result = _result(f"{family}_converged", "KD to convergence (early stopping on eval_tau)", study, threads, None,
+                     trained, policy, cost, evaluate_arm(target, tokenizer, drafter, policy, tests, study, eos), seconds,
+                     trainer, history=curve)
+    result["converged_config"] = config.to_dict()
+    _write(results / f"converged_{family}.json", result)
+    return result
+
+
+def _best_step(trainer) -> int | None:
+    best = trainer.state.best_model_checkpoint
+    return None if best is None else int(Path(best).name.split("-")[1])
+
+
+def arm_finished(family: str, arm: str, seed: int, config: ConvergedConfig, results: Path = RESULTS) -> bool:
+    path = results / "arms" / f"{family}_{arm}_s{seed}.json"
+    return path.is_file() and _json_equal(json.loads(path.read_text()).get("converged_config"), config.to_dict())
+
+
+def run_arm(*args, **kwargs):
+    raise NotImplementedError
+
+
+def converged_finished(family: str, config: ConvergedConfig, results: Path = RESULTS) -> bool:
+    path = results / f"converged_{family}.json"
+    return path.is_file() and _json_equal(json.loads(path.read_text()).get("converged_config"), config.to_dict())
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=["converge", "arms", "all"], default="all")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once (1 torch thread each)")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--work", type=Path, default=WORK)
+    parser.add_argument("--benchmarks-md", type=Path, default=Path("BENCHMARKS.md"))
+    parser.add_argument("--smoke", action="store_true", help="tiny data and budgets: test the pipeline in minutes")
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--run", nargs=3, metavar=("FAMILY", "ARM", "SEED"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}.")
+    config = ConvergedConfig.smoke() if args.smoke else ConvergedConfig()
+    if args.run:
+        family, arm, seed = args.run
+        if arm == "converge":
+            converge(family, config, args.results, args.work)
+        else:
+            run_arm(family, arm, int(seed), config, args.results, args.work)
+        return
+    if not args.report_only:
+        extra = ("--smoke",) if args.smoke else ()
+        if args.stage in ("converge", "all"):
+            _run_all([(f, "converge", 0) for f in args.families if not converged_finished(f, config, args.results)],
+                     args, extra)
+        if args.stage in ("arms", "all"):
+            todo = [(f, a, s) for f in args.families for s in config.seeds for a in args.arms
+                    if not arm_finished(f, a, s, config, args.results)]
+            _run_all(todo, args, extra)
+    from .converged_report import write_report
+
+    write_report(args.results, args.benchmarks_md)
+
+
+def _run_all(runs: list[tuple[str, str, int]], args, extra: tuple[str, ...]) -> None:
+    """Each run in its own process (``--run``), ``args.jobs`` at a time; logs under ``<results>/logs``."""
+    from tqdm.auto import tqdm
+
+    logs = args.results / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    running, failed, todo = {}, [], list(runs)
+    with tqdm(total=len(todo), desc="converged study", unit="run") as progress:
+        while todo or running:
+            for key, process in list(running.items()):
+                if process.poll() is not None:
+                    running.pop(key)
+                    progress.update(1)
+                    if process.returncode:
+                        failed.append(key)
+            while todo and len(running) < args.jobs:
+                family, arm, seed = key = todo.pop(0)
+                command = [sys.executable, "-m", "ppow_trl.study.converged", "--run", family, arm, str(seed),
+                           "--results", str(args.results), "--work", str(args.work), *extra]
+                log = open(logs / f"{family}_{arm}_s{seed}.log", "w")  # noqa: SIM115 - closed with the process
+                running[key] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            progress.set_postfix_str(",".join(f"{f}/{a}/s{s}" for f, a, s in running) or "-")
+            time.sleep(5)
+    if failed:
+        raise RuntimeError(f"Runs {failed} failed: see {logs}/<family>_<arm>_s<seed>.log.")
+
+
+if __name__ == "__main__":
+    main()
