@@ -152,8 +152,144 @@ def arm_finished(family: str, arm: str, seed: int, config: ConvergedConfig, resu
     return path.is_file() and _json_equal(json.loads(path.read_text()).get("converged_config"), config.to_dict())
 
 
-def run_arm(*args, **kwargs):
-    raise NotImplementedError
+# --------------------------------------------------------------------------------------------- stage 2: arms
+
+# PPOWConfig fields of each PPOW arm over the study's settings.
+PPOW_ARMS = {
+    "ppow_cache": {"acceptance": "greedy", "reward_source": "cache"},
+    "ppow_t1": {"acceptance": "expected", "verify_temperature": 1.0},
+    "ppow_dense": {"acceptance": "greedy", "reward_source": "cache", "per_token_credit": "add"},
+}
+
+
+def run_arm(family: str, arm: str, seed: int, config: ConvergedConfig, results: Path = RESULTS,
+            work: Path = WORK) -> dict:
+    """One arm from the family's converged drafter for ``extra_seconds`` of optimizer-step time, then evaluated at
+    fixed K and at the converged drafter's calibrated rule (one rule for every arm: the comparison is of drafters)."""
+    from transformers import set_seed
+
+    from ..data import stop_token_ids
+    from ..utils import set_cpu_threads
+    from ..windowing import AdaptiveWindowPolicy
+    from .runner import _load, _load_drafter, _probe, _result, evaluate_arm
+
+    if arm not in ARMS:
+        raise ValueError(f"Unknown arm {arm!r}; choose one of {ARMS}.")
+    start = work / f"{family}_converged"
+    if not (start / "config.json").is_file():
+        raise FileNotFoundError(f"{start} holds no converged drafter: run --stage converge first.")
+    threads = set_cpu_threads()
+    study = config.study
+    set_seed(seed)
+    target, tokenizer, train, calibration, tests, _ = _load(study)
+    eos = stop_token_ids(target, tokenizer)
+    probe = _probe(target, calibration, study, len(tokenizer), eos)
+    drafter = _load_drafter(start, target).train()
+    policy = AdaptiveWindowPolicy.from_pretrained(start)
+    from ..assisted import load_cost_model
+
+    cost = load_cost_model(start)
+    clock = time.perf_counter()
+    if arm == "kd_more":
+        drafter, trained, curve, log = _kd_more(drafter, target, tokenizer, train, study, config, seed, probe)
+    elif arm == "on_policy":
+        drafter, trained, curve, log = _on_policy(drafter, target, tokenizer, train, study, config, seed, probe)
+    else:
+        drafter, trained, curve, log = _ppow(drafter, target, tokenizer, train, calibration, study, config, seed,
+                                             probe, cost, PPOW_ARMS[arm], work / "trainer" / f"{family}_{arm}_s{seed}")
+    seconds = time.perf_counter() - clock
+    result = _result(f"{family}_{arm}", ARM_DESCRIPTIONS[arm], study, threads, None, trained, policy, cost,
+                     evaluate_arm(target, tokenizer, drafter.eval(), policy, tests, study, eos), seconds, None,
+                     history=curve)
+    result.update(family=family, seed=seed, converged_config=config.to_dict(), train_log=log)
+    _write(results / "arms" / f"{family}_{arm}_s{seed}.json", result)
+    return result
+
+
+ARM_DESCRIPTIONS = {
+    "kd_more": "KD continued from the converged drafter",
+    "ppow_cache": "PPOW, greedy rewards from the cached text",
+    "ppow_t1": "PPOW, T = 1 rewards (target-verified E[A|y])",
+    "on_policy": "On-policy distillation (drafted windows, target top-k at every position, KL + TV)",
+    "ppow_dense": "PPOW (cached greedy rewards) plus dense per-position credit",
+}
+
+
+def _kd_more(drafter, target, tokenizer, train, study, config, seed, probe):
+    import tempfile
+
+    from ..drafting import family_of
+    from ..kd_trainer import KDConfig, KDTrainer
+    from .budget import TrainingBudget
+    from .data import train_features, train_topk
+
+    data = train_topk(target, train, study.data)
+    layer_ids = family_of(drafter).target_layer_ids(drafter)
+    if layer_ids is not None:
+        data = train_features(target, data, layer_ids, study.data)
+    budget = TrainingBudget(config.extra_seconds, probe=probe, probe_every=config.probe_every_seconds)
+    # Constant learning rate, as the converging run used (no warm-up: the optimizer restarts, the drafter does not).
+    args = KDConfig(output_dir=tempfile.mkdtemp(prefix="converged-kd-"), max_steps=10**6,
+                    per_device_train_batch_size=study.kd_batch_size, learning_rate=study.kd_learning_rate,
+                    lr_scheduler_type="constant", logging_steps=10, save_strategy="no", report_to="none",
+                    disable_tqdm=True, max_length=640, seed=seed, use_cpu=True)
+    trainer = KDTrainer(model=drafter, args=args, train_dataset=data, processing_class=tokenizer, target=target,
+                        callbacks=[budget])
+    trainer.train()
+    trained = {"optimizer_steps": trainer.state.global_step, "trained_positions": trainer.trained_positions,
+               "train_step_seconds": budget.elapsed}
+    return trainer.model, trained, budget.history, _numeric_log(trainer)
+
+
+def _on_policy(drafter, target, tokenizer, train, study, config, seed, probe):
+    from ..contexts import ContextPool
+    from ..on_policy import train_on_policy
+
+    out = train_on_policy(drafter, target, ContextPool(train), seconds=config.extra_seconds,
+                          learning_rate=config.on_policy_learning_rate,
+                          contexts_per_step=config.on_policy_contexts_per_step,
+                          windows_per_context=config.on_policy_windows_per_context, max_window=study.max_window,
+                          top_k=config.on_policy_top_k, vocab_size=len(tokenizer), pad_id=tokenizer.pad_token_id,
+                          seed=seed, probe=probe, probe_every=config.probe_every_seconds)
+    trained = {key: out[key] for key in ("optimizer_steps", "trained_window_tokens", "train_step_seconds")}
+    return drafter, trained, out["curve"], out["log"]
+
+
+def _ppow(drafter, target, tokenizer, train, calibration, study, config, seed, probe, cost, fields, output_dir):
+    import copy
+
+    from peft import LoraConfig
+
+    from ..drafting import family_of
+    from ..ppow_config import PPOWConfig
+    from ..ppow_trainer import PPOWTrainer
+    from .budget import TrainingBudget
+
+    settings = dict(output_dir=str(output_dir), max_window=study.max_window, window_threshold=study.window_threshold,
+                    num_generations=study.num_generations,
+                    per_device_train_batch_size=study.ppow_contexts_per_step * study.num_generations,
+                    learning_rate=study.ppow_learning_rate, lr_scheduler_type="constant", max_steps=10**5,
+                    logging_steps=10, save_strategy="no", report_to="none", eval_strategy="no",
+                    load_best_model_at_end=False, selection_refresh_steps=20, selection_refresh_sequences=32,
+                    seed=seed, disable_tqdm=True, use_cpu=True, calibrate_window=False,
+                    # the converged drafter's measured cost model (same architecture: the same costs)
+                    drafter_cost=cost.drafter_cost, verify_cost=list(cost.verify_cost)[: study.max_window + 1])
+    settings.update(fields)
+    budget = TrainingBudget(config.extra_seconds, probe=probe, probe_every=config.probe_every_seconds)
+    lora = LoraConfig(r=study.lora_r, lora_alpha=2 * study.lora_r, task_type=family_of(drafter).peft_task_type,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    trainer = PPOWTrainer(model=drafter, target_model=target, args=PPOWConfig(**settings), train_dataset=train,
+                          processing_class=tokenizer, peft_config=lora, callbacks=[budget])
+    trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    merged = copy.deepcopy(model).merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    trained = {"optimizer_steps": trainer.state.global_step, "trained_window_tokens": trainer.trained_window_tokens,
+               "train_step_seconds": budget.elapsed}
+    return merged, trained, budget.history, _numeric_log(trainer)
+
+
+def _numeric_log(trainer) -> list[dict]:
+    return [{k: v for k, v in row.items() if isinstance(v, (int, float))} for row in trainer.state.log_history]
 
 
 def converged_finished(family: str, config: ConvergedConfig, results: Path = RESULTS) -> bool:
