@@ -52,14 +52,15 @@ def on_policy_loss(drafter, contexts: list[torch.Tensor], window_ids: torch.Tens
     ids, logprobs = teacher_ids.to(logits.device)[mask], teacher_logprobs.to(logits.device)[mask]
     kl = topk_forward_kl(logits, ids, logprobs, id_to_column)
     tv = topk_total_variation(logits, ids, logprobs, id_to_column)
-    return (kl + tv).mean(), {"kl": float(kl.mean()), "tv": float(tv.mean())}
+    return (kl + tv).mean(), {"kl": float(kl.detach().mean()), "tv": float(tv.detach().mean())}
 
 
 def train_on_policy(drafter, target, pool: ContextPool, *, seconds: float, learning_rate: float, contexts_per_step: int,
                     windows_per_context: int, max_window: int, top_k: int, vocab_size: int, pad_id: int = 0,
-                    seed: int = 0, probe: Callable | None = None, probe_every: float | None = None) -> dict:
+                    seed: int = 0, probe: Callable | None = None, probe_every: float | None = None,
+                    max_steps: int | None = None) -> dict:
     """On-policy distillation for ``seconds`` of optimizer-step time (drafting, the target's forward, loss, backward
-    and the optimizer; not the probes). Returns ``{"optimizer_steps", "trained_window_tokens", "train_step_seconds",
+    and the optimizer; not the probes), or ``max_steps`` optimizer steps if given first. Returns ``{"optimizer_steps", "trained_window_tokens", "train_step_seconds",
     "curve", "log"}``; ``probe(model) -> dict`` runs at 0 s and every ``probe_every`` seconds, as
     ``study.budget.TrainingBudget`` does for the trainers."""
     family = family_of(drafter)
@@ -75,7 +76,7 @@ def train_on_policy(drafter, target, pool: ContextPool, *, seconds: float, learn
             curve.append({"train_seconds": round(elapsed, 2), "step": steps, **probe(drafter)})
 
     record()
-    while elapsed < seconds:
+    while elapsed < seconds and (max_steps is None or steps < max_steps):
         started = time.perf_counter()
         candidates = torch.randint(len(pool), (contexts_per_step,), generator=generator)
         contexts = [torch.tensor(pool.context(int(c))) for c in candidates]
@@ -97,7 +98,7 @@ def train_on_policy(drafter, target, pool: ContextPool, *, seconds: float, learn
         tokens += int(drafted.window_mask.sum())
         elapsed += time.perf_counter() - started
         log.append({"step": steps, "loss": float(loss), **stats})
-        if elapsed >= next_probe and elapsed < seconds:
+        if elapsed >= next_probe and elapsed < seconds and (max_steps is None or steps < max_steps):
             record()
             while next_probe <= elapsed:
                 next_probe += probe_every

@@ -293,11 +293,11 @@ class PPOWTrainer(GRPOTrainer):
         features = None
         if self._features.layer_ids is not None:  # kept for the loss, which replays these windows from them
             features = self._features.keep(contexts)
+        next_tokens = self._cached_next_tokens(contexts)  # before eval mode: it serves training rollouts only
         # Drafted in eval mode (no dropout), as served: the windows and their log-probs are the served drafter's.
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
         ) as drafter, torch.no_grad(), _eval_mode(drafter):
-            next_tokens = self._cached_next_tokens(contexts)
             if next_tokens is None:
                 verified = verify_windows(self.target, drafter, contexts, self.rollout_policy,
                                           greedy=self.args.acceptance == "greedy", temperature=self.args.temperature,

@@ -351,3 +351,50 @@ def test_tv_training_raises_the_acceptance_rate(setup, tmp_path):
     assert trainer.trained_positions == sum(len(r) for r in setup["full"]["response_ids"]) * 40 // 2
     with pytest.raises(ValueError, match="loss must be"):
         _config(tmp_path, loss="kl")
+
+
+# ------------------------------------------------------------------------------------------ eval_tau, early stopping
+
+
+def test_eval_tau_is_exact_greedy_tau_on_the_eval_responses(setup, tmp_path):
+    """eval_tau = tokens / rounds of exact_greedy_tau over the eval prompts, with their responses as the target's
+    greedy text: checked against the live loop's output of each prompt."""
+    from ppow_trl.generation import speculative_generate
+    from ppow_trl.windowing import AdaptiveWindowPolicy
+
+    target, tokenizer = setup["target"], setup["tokenizer"]
+    greedy = build_target_responses(target, tokenizer, Dataset.from_list(
+        [{"id": f"e{i}", "messages": [{"role": "user", "content": f"w{i} w{i + 3}"}]} for i in range(5)]),
+        max_new_tokens=10, batch_size=8, do_sample=False)
+    drafter = make_tiny_llama(num_layers=1, seed=3)
+    trainer = KDTrainer(drafter, _config(tmp_path, eval_tau_window=3, eval_max_new_tokens=10),
+                        train_dataset=setup["topk"], eval_dataset=greedy, processing_class=tokenizer, target=target)
+    tau = trainer.evaluate()["eval_tau"]
+    tokens = rounds = 0
+    for prompt in greedy["prompt_ids"]:
+        out = speculative_generate(target, drafter, torch.tensor([prompt]), policy=AdaptiveWindowPolicy(3, 0.0),
+                                   max_new_tokens=10)
+        tokens, rounds = tokens + len(out.new_tokens), rounds + out.num_rounds
+    assert tau == pytest.approx(tokens / rounds)
+
+
+def test_early_stopping_on_eval_tau_stops_when_tau_stops_rising(setup, tmp_path):
+    from transformers import EarlyStoppingCallback
+
+    target, tokenizer = setup["target"], setup["tokenizer"]
+    # a learning rate too small to change the greedy drafts: eval_tau never improves after the first evaluation
+    args = _config(tmp_path, eval_tau_window=2, eval_max_new_tokens=12, learning_rate=1e-12, max_steps=20,
+                   eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                   load_best_model_at_end=True, metric_for_best_model="eval_tau", per_device_train_batch_size=4)
+    trainer = KDTrainer(make_tiny_llama(num_layers=1, seed=3), args, train_dataset=setup["topk"],
+                        eval_dataset=setup["responses"], processing_class=tokenizer, target=target,
+                        callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    trainer.train()
+    evaluations = [row["eval_tau"] for row in trainer.state.log_history if "eval_tau" in row]
+    assert trainer.state.global_step == 6 and len(evaluations) == 3 and len(set(evaluations)) == 1
+
+
+def test_eval_tau_needs_the_target(setup, tmp_path):
+    with pytest.raises(ValueError, match="eval_tau_window > 0 measures exact greedy tau against the target"):
+        KDTrainer(make_tiny_llama(num_layers=1, seed=3), _config(tmp_path, eval_tau_window=2),
+                  train_dataset=setup["topk"], eval_dataset=setup["responses"], processing_class=setup["tokenizer"])

@@ -328,3 +328,30 @@ def test_resume_reuses_the_measured_cost_model(tmp_path, bigram):
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
     assert resumed.cost_model.drafter_cost == saved.drafter_cost
     assert resumed.cost_model.verify_cost == saved.verify_cost
+
+
+def test_cached_greedy_rewards_train_exactly_like_target_verified_ones(tmp_path, bigram):
+    """On the target's own greedy text, reward_source='cache' gives the rewards, selection scores and so the whole
+    training run that target verification gives (same windows, same draws), with the target run only for windows that
+    pass a response's end."""
+    table, target = bigram
+    prompts = torch.randint(8, 64, (12, 3), generator=torch.Generator().manual_seed(0))
+    text = target.generate(prompts, do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)[:, 3:]
+    data = Dataset.from_dict({"prompt_ids": prompts.tolist(), "response_ids": text.tolist()})
+    runs = {}
+    for source in ("target", "cache"):
+        trainer = PPOWTrainer(model=noisy_drafter(table, noise=1.0), target_model=target,
+                              args=config(tmp_path / source, acceptance="greedy", reward_source=source,
+                                          proximity_positions="reached", max_steps=4, selection_refresh_steps=2),
+                              train_dataset=data, processing_class=make_tiny_tokenizer())
+        trainer.train()
+        runs[source] = trainer
+    logs = {source: [h for h in t.state.log_history if "reward" in h] for source, t in runs.items()}
+    for key in ("reward", "ppow/R_speed", "ppow/R_prox", "ppow/expected_accepted", "loss"):
+        assert [h[key] for h in logs["cache"]] == pytest.approx([h[key] for h in logs["target"]], abs=1e-6), key
+    for key in ("accepted", "speed", "proximity"):
+        assert torch.equal(runs["cache"].last_window_rewards[key], runs["target"].last_window_rewards[key]), key
+    assert torch.equal(runs["cache"].context_selector.scores, runs["target"].context_selector.scores)
+    assert all(h["ppow/target_verified_share"] == 1.0 for h in logs["target"])
+    assert all(h["ppow/target_verified_share"] < 0.5 for h in logs["cache"])
+    assert sum(h["ppow/expected_accepted"] for h in logs["cache"]) > 0

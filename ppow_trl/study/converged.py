@@ -42,6 +42,7 @@ RESULTS = Path("benchmarks/results/study_converged")
 WORK = Path("outputs/study_converged")
 FAMILIES = {"truncated": Arm("converge", "kd", "KD to convergence"),
             "eagle3": Arm("converge", "kd", "KD to convergence", drafter="eagle3", build=EAGLE3_BUILD)}
+SAMPLING_SETS = ("mtbench", "sharegpt_test")  # T = 1 closed-form E[A|y] on both test sets
 ARMS = ("kd_more", "ppow_cache", "ppow_t1", "on_policy", "ppow_dense")
 
 
@@ -135,7 +136,8 @@ def converge(family: str, config: ConvergedConfig, results: Path = RESULTS, work
                "trained_positions": trainer.trained_positions,
                "stopped_early": trainer.state.global_step < config.max_kd_steps}
     result = _result(f"{family}_converged", "KD to convergence (early stopping on eval_tau)", study, threads, None,
-                     trained, policy, cost, evaluate_arm(target, tokenizer, drafter, policy, tests, study, eos), seconds,
+                     trained, policy, cost,
+                     evaluate_arm(target, tokenizer, drafter, policy, tests, study, eos, SAMPLING_SETS), seconds,
                      trainer, history=curve)
     result["converged_config"] = config.to_dict()
     _write(results / f"converged_{family}.json", result)
@@ -199,7 +201,8 @@ def run_arm(family: str, arm: str, seed: int, config: ConvergedConfig, results: 
                                              probe, cost, PPOW_ARMS[arm], work / "trainer" / f"{family}_{arm}_s{seed}")
     seconds = time.perf_counter() - clock
     result = _result(f"{family}_{arm}", ARM_DESCRIPTIONS[arm], study, threads, None, trained, policy, cost,
-                     evaluate_arm(target, tokenizer, drafter.eval(), policy, tests, study, eos), seconds, None,
+                     evaluate_arm(target, tokenizer, drafter.eval(), policy, tests, study, eos,
+                                  SAMPLING_SETS), seconds, None,
                      history=curve)
     result.update(family=family, seed=seed, converged_config=config.to_dict(), train_log=log)
     _write(results / "arms" / f"{family}_{arm}_s{seed}.json", result)

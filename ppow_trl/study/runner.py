@@ -114,8 +114,9 @@ def _probe(target, calibration, config: StudyConfig, vocab: int, eos: list[int])
     return probe
 
 
-def evaluate_arm(target, tokenizer, drafter, policy, tests, config: StudyConfig, eos: list[int]) -> dict:
-    """Greedy records at the saved policy and at fixed K on every test set; T = 1 records on MT-bench."""
+def evaluate_arm(target, tokenizer, drafter, policy, tests, config: StudyConfig, eos: list[int],
+                 sampling_sets: tuple[str, ...] = ("mtbench",)) -> dict:
+    """Greedy records at the saved policy and at fixed K on every test set; T = 1 records on ``sampling_sets``."""
     from ..windowing import AdaptiveWindowPolicy
     from .evaluate import greedy_records, sampled_records
 
@@ -128,9 +129,10 @@ def evaluate_arm(target, tokenizer, drafter, policy, tests, config: StudyConfig,
         out["greedy"][name] = {key: greedy_records(target, drafter, data, p, max_new_tokens=config.data.eval_max_new_tokens,
                                                    eos_token_ids=eos, vocab_size=vocab)
                                for key, p in policies.items()}
-    out["sampling"]["mtbench"] = sampled_records(target, drafter, tests["mtbench"], policies,
-                                                 max_window=max(policy.max_window, fixed.max_window), vocab_size=vocab,
-                                                 pad_id=tokenizer.pad_token_id, seed=config.seed)
+    for name in sampling_sets:
+        out["sampling"][name] = sampled_records(target, drafter, tests[name], policies,
+                                                max_window=max(policy.max_window, fixed.max_window), vocab_size=vocab,
+                                                pad_id=tokenizer.pad_token_id, seed=config.seed)
     return out
 
 
