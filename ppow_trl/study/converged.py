@@ -170,6 +170,7 @@ def run_arm(family: str, arm: str, seed: int, config: ConvergedConfig, results: 
     fixed K and at the converged drafter's calibrated rule (one rule for every arm: the comparison is of drafters)."""
     from transformers import set_seed
 
+    from ..assisted import load_cost_model, save_assistant
     from ..data import stop_token_ids
     from ..utils import set_cpu_threads
     from ..windowing import AdaptiveWindowPolicy
@@ -188,8 +189,6 @@ def run_arm(family: str, arm: str, seed: int, config: ConvergedConfig, results: 
     probe = _probe(target, calibration, study, len(tokenizer), eos)
     drafter = _load_drafter(start, target).train()
     policy = AdaptiveWindowPolicy.from_pretrained(start)
-    from ..assisted import load_cost_model
-
     cost = load_cost_model(start)
     clock = time.perf_counter()
     if arm == "kd_more":
@@ -200,6 +199,8 @@ def run_arm(family: str, arm: str, seed: int, config: ConvergedConfig, results: 
         drafter, trained, curve, log = _ppow(drafter, target, tokenizer, train, calibration, study, config, seed,
                                              probe, cost, PPOW_ARMS[arm], work / "trainer" / f"{family}_{arm}_s{seed}")
     seconds = time.perf_counter() - clock
+    # loadable by `python -m ppow_trl.bench --drafter` (the measured speed of the best arms)
+    save_assistant(drafter.eval(), work / f"{family}_{arm}_s{seed}", policy=policy, cost_model=cost, tokenizer=tokenizer)
     result = _result(f"{family}_{arm}", ARM_DESCRIPTIONS[arm], study, threads, None, trained, policy, cost,
                      evaluate_arm(target, tokenizer, drafter.eval(), policy, tests, study, eos,
                                   SAMPLING_SETS), seconds, None,
