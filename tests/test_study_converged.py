@@ -17,7 +17,7 @@ def test_smoke_converge_then_arms_then_summary(tmp_path):
     results, work = tmp_path / "results", tmp_path / "work"
     converged = converge("truncated", config, results, work)
     assert converged_finished("truncated", config, results)
-    assert converged["budget"]["optimizer_steps"] <= config.max_kd_steps
+    assert converged["budget"]["optimizer_steps"] <= dict(config.max_kd_steps)["truncated"]
     assert converged["curve"] and all("held_out_tau_fixed_k" in row for row in converged["curve"])
     assert (work / "truncated_converged" / "ppow_window_policy.json").is_file()
     for arm in ("kd_more", "ppow_cache", "on_policy"):
