@@ -117,6 +117,7 @@ def test_eagle3_pipeline_runs_on_tiny_models(tmp_path):
         "--eval_max_new_tokens", "6", "--merge_adapter", "True", "--cache_dir", str(tmp_path / "cache"),
         "--output_dir", str(tmp_path / "out"), "--max_window", "3", "--num_generations", "4",
         "--per_device_train_batch_size", "8", "--max_steps", "2", "--report_to", "none", "--save_strategy", "no",
+        "--acceptance", "greedy", "--reward_source", "cache",  # the shipped configs' rewards, on a family reading features
         "--drafter_cost", "0.3", "--verify_cost", "1.0", "1.4", "1.6", "1.8",
         "--use_peft", "True", "--lora_r", "4", "--lora_target_modules", "fc", "q_proj", "v_proj",
     ]
