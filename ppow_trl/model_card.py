@@ -33,17 +33,35 @@ for a reduced-vocabulary drafter `modeling_ppow_drafter.py`, a copy of `ppow_trl
 Auto-class registration (it defines the config and model classes: the target architecture's body plus a head
 over the draft vocabulary). Read both files at the revision you pin."""
 
+TARGET_SETUP = """from transformers import AutoTokenizer
+from ppow_trl.assisted import load_assistant
+from ppow_trl.models import load_target
+
+revision = "main"  # better: the commit hash you checked (see below)
+target = load_target("{target}")  # the target this drafter was trained for
+tokenizer = AutoTokenizer.from_pretrained(target.name_or_path)
+messages = [{{"role": "user", "content": "Name three colours."}}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)"""
+"""The first lines of every card's snippet: the target, its tokenizer and a prompt, so that the snippet runs as written
+(``load_target`` takes a Hub id, a local folder or ppow_trl's offline alias, as the recipe's ``target_model``)."""
+
+GENERATE = """out = target.generate(**inputs, assistant_model=assistant, do_sample=False, max_new_tokens=64{generate_kwargs})
+print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
+
 STANDALONE_USAGE = """With ppow_trl installed (`pip install ppow_trl`), no remote code is run: `load_assistant` loads
-the weights and installs ppow_trl's own copy of the window hook.
+the weights and installs ppow_trl's own copy of the window hook{reads_target}.
 
 ```python
-from ppow_trl.assisted import load_assistant
-revision = "main"  # better: the commit hash you checked (see below)
-assistant = load_assistant("{repo}", revision=revision)  # applies the adaptive window rule
-out = target.generate(**inputs, assistant_model=assistant, do_sample=False)
+{setup}
+assistant = load_assistant("{repo}", revision=revision{target_kwarg})  # applies the adaptive window rule
+{generate}
 ```
 
-Without ppow_trl, opt into the repo's code:
+{without_ppow_trl}
+
+{revision_note}{remote_code_note}"""
+
+REMOTE_CODE_ROUTE = """Without ppow_trl, opt into the repo's code (`target` and `inputs`: your target and prompt, as above):
 
 ```python
 from transformers import AutoModelForCausalLM
@@ -52,37 +70,128 @@ out = target.generate(**inputs, assistant_model=assistant, do_sample=False)
 ```
 
 Both apply the adaptive window inside transformers' assisted generation (batch size 1). Without ppow_trl and
-without `trust_remote_code=True`, transformers drafts a fixed K tokens.
+without `trust_remote_code=True`, transformers drafts a fixed K tokens."""
 
-{revision_note}
+TARGET_READER_ROUTE = """This drafter computes from the target (its hidden states or its own modules), so it is loaded with
+`target=` and needs ppow_trl: `load_assistant` installs the hooks that hand it the target's features and apply the
+adaptive window inside transformers' assisted generation (batch size 1). `ppow_trl.drafting.get_family("{family}")
+.detach(assistant)` removes the hooks from the target."""
 
-{remote_code_note}"""
+MERGE_SNIPPET = """from peft import PeftModel
+from ppow_trl.assisted import save_assistant
+from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.cost import CostModel{family_import}
+# base_drafter: the drafter this adapter was trained on (see "Drafter" above), built or loaded as in training
+drafter = PeftModel.from_pretrained(base_drafter, "{repo}", revision=revision).merge_and_unload()
+policy = AdaptiveWindowPolicy.from_pretrained("{repo}", revision=revision)
+cost_model = {cost_model}
+save_assistant(drafter, "merged", policy=policy, cost_model=cost_model, tokenizer=tokenizer)
+assistant = load_assistant("merged", target=target)
+{generate}"""
 
 ADAPTER_USAGE = """This folder holds a LoRA adapter. Merge it into its drafter once, and save the merged drafter with
 its window rule (the recipe's `--merge_adapter True` does this into `merged/`):
 
 ```python
-from peft import PeftModel
-from ppow_trl.assisted import save_assistant, load_assistant
-from ppow_trl.windowing import AdaptiveWindowPolicy
-from ppow_trl.cost import CostModel
-revision = "main"  # better: the commit hash you checked (see below)
-drafter = PeftModel.from_pretrained(base_drafter, "{repo}", revision=revision).merge_and_unload()
-policy = AdaptiveWindowPolicy.from_pretrained("{repo}", revision=revision)
-cost_model = CostModel.from_pretrained("{repo}", revision=revision)
-save_assistant(drafter, "merged", policy=policy, cost_model=cost_model, tokenizer=tokenizer)
-out = target.generate(**inputs, assistant_model=load_assistant("merged"), do_sample=False)
+{setup}
+{merge}
 ```
 
-`AdaptiveWindowPolicy.from_pretrained` and `CostModel.from_pretrained` take a local folder or a Hub repo id
+{merge_notes}
+
+{revision_note}{remote_code_note}"""
+
+ADAPTER_WITH_MERGED_USAGE = """This repo holds a LoRA adapter (its top-level files) and, in `merged/`, the drafter with the adapter
+merged in and its window rule (the recipe's `--merge_adapter True`). With ppow_trl installed, no remote code is run:
+
+```python
+from huggingface_hub import snapshot_download
+{setup}
+folder = snapshot_download("{repo}", revision=revision, allow_patterns=["merged/*"])
+assistant = load_assistant(f"{{folder}}/merged"{target_kwarg})  # the merged drafter, with its adaptive window rule
+{generate}
+```
+
+To merge the adapter yourself (continuing the lines above):
+
+```python
+{merge}
+```
+
+{merge_notes}
+
+{revision_note}{remote_code_note}"""
+
+MERGE_NOTES = """`AdaptiveWindowPolicy.from_pretrained` and `CostModel.from_pretrained` take a local folder or a Hub repo id
 (`revision=`, `token=`, `cache_dir=` are passed to `huggingface_hub.hf_hub_download`). `load_assistant` runs no
 code from the folder: it installs ppow_trl's own window hook (adaptive window inside transformers' assisted
-generation, batch size 1). Where ppow_trl is not installed, `AutoModelForCausalLM.from_pretrained("merged",
-trust_remote_code=True)` applies the same rule from the merged folder's `custom_generate/generate.py`.
+generation, batch size 1).{remote_code_merged}"""
 
-{revision_note}
+REMOTE_CODE_MERGED = """ Where ppow_trl is not installed, `AutoModelForCausalLM.from_pretrained("merged",
+trust_remote_code=True)` applies the same rule from the merged folder's `custom_generate/generate.py`."""
 
-{remote_code_note}"""
+
+def _family(family, args, adapter: bool):
+    """The drafter family the card describes: ``family`` (a name or a ``DrafterFamily``), else the one saved in the
+    trainer's output folder (``merged/`` for an adapter), else ``None`` (unknown: the standalone routes are shown)."""
+    from .drafting import DrafterFamily, detect_family, get_family
+
+    if isinstance(family, DrafterFamily):
+        return family
+    if family is not None:
+        return get_family(family)
+    folder = getattr(args, "output_dir", None)
+    if not folder:
+        return None
+    folder = Path(folder) / "merged" if adapter else Path(folder)
+    if not (folder / "config.json").is_file():
+        return None
+    try:
+        return detect_family(folder)[0]
+    except ValueError:
+        return None
+
+
+def _generate_kwargs(family) -> str:
+    """``, speculation_type="dflash"``-style arguments of the family's route in transformers (none for most)."""
+    import json
+
+    kwargs = family.hf_generate_kwargs if family is not None else {}
+    return "".join(f", {key}={json.dumps(value)}" for key, value in kwargs.items())
+
+
+def render_usage(repo: str, target: str, *, adapter: bool, family=None, merged: bool = False,
+                 cost_model_saved: bool = True) -> str:
+    """The card's "Use" section: Python that runs as written (the target loaded by ``load_target(target)``, the drafter
+    by ``load_assistant(repo, ...)``), then the other routes. ``family``: the drafter's ``DrafterFamily`` (``None``:
+    unknown, the standalone routes). ``merged``: an adapter repo that also holds the merged drafter in ``merged/``."""
+    reads_target = family is not None and (family.reads_target or family.runs_on_target)
+    remote_code = family is None or (family.writes_hook_file and not reads_target)
+    notes = {"revision_note": REVISION_NOTE.format(repo=repo),
+             "remote_code_note": "\n\n" + REMOTE_CODE_NOTE if remote_code else ""}
+    setup = TARGET_SETUP.format(target=target)
+    target_kwarg = ", target=target" if reads_target else ""
+    generate = GENERATE.format(generate_kwargs=_generate_kwargs(family))
+    if not adapter:
+        without = (REMOTE_CODE_ROUTE.format(repo=repo) if remote_code
+                   else TARGET_READER_ROUTE.format(family=family.name))
+        return STANDALONE_USAGE.format(
+            setup=setup, repo=repo, target_kwarg=target_kwarg, generate=generate, without_ppow_trl=without,
+            reads_target=" (with `target=`: and the hooks that hand the drafter the target's features)" if reads_target
+            else "", **notes)
+    # An adapter: the merged drafter's family may be unknown here, so the merge lines ask the drafter for its route.
+    merge_generate = generate if family is not None else GENERATE.format(
+        generate_kwargs=", **family_of(assistant).hf_generate_kwargs")
+    merge = MERGE_SNIPPET.format(
+        repo=repo, generate=merge_generate,
+        family_import="" if family is not None else "\nfrom ppow_trl.drafting import family_of",
+        cost_model=f'CostModel.from_pretrained("{repo}", revision=revision)' if cost_model_saved
+        else "None  # no cost model was saved with this adapter")
+    merge_notes = MERGE_NOTES.format(remote_code_merged=REMOTE_CODE_MERGED if remote_code else "")
+    if merged:
+        return ADAPTER_WITH_MERGED_USAGE.format(setup=setup, repo=repo, target_kwarg=target_kwarg, generate=generate,
+                                                merge=merge, merge_notes=merge_notes, **notes)
+    return ADAPTER_USAGE.format(setup=setup, merge=merge, merge_notes=merge_notes, **notes)
 
 
 def evaluation_table(summary: list[dict]) -> str:
@@ -113,8 +222,14 @@ def render_model_card(
     evaluation_setup: str = "",
     hub_model_id: str | None = None,
     adapter: bool = False,
+    family=None,
 ) -> str:
-    """The README.md of a drafter folder, with YAML front matter the Hub reads."""
+    """The README.md of a drafter folder, with YAML front matter the Hub reads.
+
+    ``family`` (a name or a ``DrafterFamily``) picks the usage snippet's route (``target=`` for drafters that read the
+    target, the family's ``target.generate`` arguments, whether the remote-code route exists); when not given it is
+    detected from the drafter saved in ``args.output_dir`` (``merged/`` for an adapter), else the standalone routes
+    are shown."""
     repo = hub_model_id or model_name
     hyper = "\n".join(f"| {name} | {getattr(args, name)} |" for name in HYPERPARAMETERS if hasattr(args, name))
     cost = (
@@ -126,8 +241,11 @@ def render_model_card(
     )
     serving = (policy.calibration or {}).get("serving_rule")
     serving = f"\n- Served rule, chosen on the saved drafter with this machine's measured costs: {serving}" if serving else ""
-    notes = {"revision_note": REVISION_NOTE.format(repo=repo), "remote_code_note": REMOTE_CODE_NOTE}
-    usage = (ADAPTER_USAGE if adapter else STANDALONE_USAGE).format(repo=repo, **notes)
+    family = _family(family, args, adapter)
+    output_dir = getattr(args, "output_dir", None)
+    merged = bool(adapter and output_dir and (Path(output_dir) / "merged" / "config.json").is_file())
+    usage = render_usage(repo, target, adapter=adapter, family=family, merged=merged,
+                         cost_model_saved=cost_model is not None)
     results = (
         f"{evaluation_setup}\n\n{evaluation_table(evaluation)}" if evaluation else "No evaluation was run with this save."
     )

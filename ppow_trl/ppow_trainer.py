@@ -612,6 +612,7 @@ class PPOWTrainer(GRPOTrainer):
             evaluation_setup=info.get("evaluation_setup", ""),
             hub_model_id=self.hub_model_id,
             adapter=hasattr(self.accelerator.unwrap_model(self.model), "peft_config"),
+            family=self.family,
         )
         write_model_card(self.args.output_dir, card)
 

@@ -17,8 +17,9 @@ from ._family_io import read_config
 from .batching import left_pad, positions_from_mask, prefill_contexts, shift_rows
 from .custom_generate.generate import generate as _hook_generate
 from .drafter import ReducedVocabHeadMixin
-from .drafting import DrafterFamily
+from .drafting import HUB_KWARGS, DrafterFamily
 from .features import forward_at, target_forward
+from .gguf_export import export_gguf, gguf_files, load_gguf_drafter
 from .models import make_drafter
 from .utils import PEFT_ASSISTANT_MESSAGE, crop_cache, is_peft_model, unwrap_model
 from .windowing import configure_generation_config
@@ -122,13 +123,18 @@ class StandaloneFamily(DrafterFamily):
 
     name = "standalone"
     description = "standalone causal LM"
+    export_formats = ("gguf",)  # llama.cpp's layout (ppow_trl.gguf_export), for CPU users of llama-speculative
 
     def owns(self, model) -> bool:
         return callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None
 
     def detect(self, folder_or_repo, **hub_kwargs) -> str | None:
+        """``"transformers"`` (a ``config.json`` with a model type), ``"gguf"`` (no config, ``.gguf`` files: what
+        ``export(format="gguf")`` writes), else ``None``."""
         config = read_config(folder_or_repo, **hub_kwargs)
-        return "transformers" if config and config.get("model_type") else None
+        if config is not None:
+            return "transformers" if config.get("model_type") else None
+        return "gguf" if gguf_files(folder_or_repo, **hub_kwargs) else None
 
     def build(self, target, tokenizer=None, *, draft_vocab_ids=None, seed: int | None = 0,
               target_name_or_path: str | None = None, num_layers: int | None = 2, pretrained: str | None = None,
@@ -142,12 +148,27 @@ class StandaloneFamily(DrafterFamily):
 
     def load(self, folder_or_repo, *, target=None, trust_remote_code: bool = False, **from_pretrained_kwargs):
         """``AutoModelForCausalLM.from_pretrained`` (``import ppow_trl`` registers ``PPOWDrafterForCausalLM``),
-        trainable (``from_pretrained`` leaves parameters requiring grad; ``load_target`` freezes a target)."""
+        trainable (``from_pretrained`` leaves parameters requiring grad; ``load_target`` freezes a target). A folder
+        or repo holding a ``.gguf`` file and no config loads through transformers' GGUF loader (``gguf_file=``
+        chooses among several)."""
+        hub_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in HUB_KWARGS}
+        if from_pretrained_kwargs.get("gguf_file") or self.detect(folder_or_repo, **hub_kwargs) == "gguf":
+            return load_gguf_drafter(folder_or_repo, **from_pretrained_kwargs)
         model = AutoModelForCausalLM.from_pretrained(str(folder_or_repo), trust_remote_code=bool(trust_remote_code),
                                                      **from_pretrained_kwargs)
         if getattr(model, "_hf_peft_config_loaded", False):
             raise ValueError(f"{folder_or_repo} holds a PEFT adapter. " + PEFT_ASSISTANT_MESSAGE)
         return model
+
+    def export(self, drafter, folder, *, format: str, target=None, tokenizer=None, dtype: str = "f32"):
+        """``format="gguf"``: ``export_gguf`` into ``folder`` (``drafter-f32.gguf``). The vocabulary comes from
+        ``tokenizer`` (a Hugging Face tokenizer or the target's GGUF file), else from the tokenizer saved with
+        ``target`` (its ``name_or_path``) or with the drafter; without any, the file carries none (a warning: llama.cpp
+        then cannot pair it with the target)."""
+        self.check_export_format(format)
+        if tokenizer is None:
+            tokenizer = _saved_tokenizer(target, unwrap_model(drafter))
+        return export_gguf(drafter, folder, tokenizer, dtype=dtype)
 
     def session(self, drafter, target=None):
         return StandaloneSession(drafter)
@@ -220,3 +241,18 @@ class StandaloneFamily(DrafterFamily):
             configure_generation_config(drafter.generation_config, policy, vocab_size)
             return drafter
         return attach_window_policy(drafter, policy, vocab_size)
+
+
+def _saved_tokenizer(*models):
+    """The tokenizer saved where the first of ``models`` that has one was loaded from (``name_or_path``), or None."""
+    from transformers import AutoTokenizer
+
+    for model in models:
+        source = str(getattr(model, "name_or_path", "") or "")
+        if not source:
+            continue
+        try:
+            return AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, TypeError):
+            continue
+    return None

@@ -263,4 +263,7 @@ def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy,
     if vocab_size is not None:
         data["vocab_size"] = int(vocab_size)
     setattr(generation_config, GENERATION_CONFIG_KEY, data)
+    # A config derived from the model config is rebuilt from it on load (transformers), which would drop our policy
+    # key from a Hub repo's generation_config.json: mark it as the drafter's own.
+    generation_config._from_model_config = False
     return generation_config

@@ -161,6 +161,10 @@ class PPOWScriptArguments:
             if owner is not None and owner != self.drafter_type and getattr(self, item.name) != item.default:
                 raise ValueError(f"{item.name} belongs to drafter_type: {owner}, not {self.drafter_type}.")
         family.check_export_format(self.export_format)
+        if self.export_format == "gguf" and self.draft_vocab_size:
+            # GGUF has no bias to keep the rows outside a reduced head at -inf: fail before any work, not at export
+            raise ValueError("export_format 'gguf' writes a full-vocabulary head: train with --draft_vocab_size 0 "
+                             "(or export with ppow_trl.export_gguf(..., expand_reduced_head=True) yourself).")
         if not 0.0 < self.calibration_fraction < 1.0:
             raise ValueError(f"calibration_fraction must lie in (0, 1), got {self.calibration_fraction}.")
         if self.kd_steps < 0 or self.kd_batch_size < 1 or self.kd_save_steps < 0 or self.kd_learning_rate <= 0:

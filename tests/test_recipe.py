@@ -244,3 +244,12 @@ def test_negative_learning_rate_stops_the_script_before_any_data(tmp_path, monke
     error = capsys.readouterr().err
     assert "learning_rate must be > 0, got -1.0" in error and "Traceback" not in error
     assert not (tmp_path / "o").exists()
+
+
+def test_gguf_export_of_a_reduced_head_fails_at_parse_time(tmp_path):
+    args = ["--output_dir", str(tmp_path / "out"), "--report_to", "none", "--export_format", "gguf"]
+    with pytest.raises(ValueError, match="export_format 'gguf' writes a full-vocabulary head: train with --draft_vocab_size 0"):
+        ppow_llama.make_parser().parse_args_and_config(args=args)
+    args += ["--draft_vocab_size", "0"]
+    script, _, _ = ppow_llama.make_parser().parse_args_and_config(args=args)
+    assert script.export_format == "gguf"

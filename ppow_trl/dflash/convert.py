@@ -12,6 +12,12 @@ SGLang ``srt/models/dflash.py``); no engine was run here:
 - ``"speculators"``: vLLM's speculators format: ``speculators_model_type: "dflash"``, ``transformer_layer_config``,
   ``aux_hidden_state_layer_ids``, ``mask_token_id``, ``block_size``, ``speculators_config``; the same body plus
   ``embed_tokens.weight`` and ``lm_head.weight`` (the target's, given as ``target=``).
+  ``speculators_config.verifier.name_or_path`` must name a model speculators (which reloads the embedding and head
+  from it) and ``vllm serve <folder>`` can load: by default the path or Hub id the target was loaded from.
+  Checked against speculators 0.9.0 itself when installed (``make interop``; ``tests/test_speculators_interop.py``):
+  its ``DFlashDraftModel.from_pretrained`` loads this export with block logits equal to ours, and a drafter it saves
+  imports back with equal logits. Reduced-vocabulary speculators drafters (``draft_vocab_size`` below the target's,
+  ``d2t``/``t2d``) are refused on import: transformers' class drafts through the target's full head.
 
 Conventions:
 
@@ -28,6 +34,8 @@ Conventions:
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -52,10 +60,45 @@ def _layer_config(config) -> dict:
             "tie_word_embeddings": False}
 
 
-def export_dflash(drafter, folder, *, format: str = "zlab", target=None, speculative_tokens: int | None = None) -> Path:
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def resolve_verifier_name(explicit=None, target=None, recorded=None) -> str | None:
+    """The verifier name a speculators export records: one that speculators (``from_pretrained`` reloads the
+    embedding and head from it) and ``vllm serve <folder>`` (which serves it as the target) can load.
+
+    ``explicit`` wins, then the path or Hub id ``target`` was loaded from (``target.config._name_or_path``), then
+    the name recorded when the drafter was built. ppow_trl's offline alias (``ppow_trl.models.OFFLINE_TARGET``,
+    which names no model) becomes its converted local folder; an existing local folder is made absolute; anything
+    else is kept as a Hub id, with a warning when it cannot be one (e.g. a local path that does not exist here).
+    The EAGLE-3 family has the same rule (``ppow_trl.eagle3.convert``; families do not import each other)."""
+    candidates = (explicit, getattr(getattr(target, "config", None), "_name_or_path", None), recorded)
+    name = next((str(c) for c in candidates if c), None)
+    if name is None:
+        return None
+    from ..models import OFFLINE_TARGET
+
+    if name == OFFLINE_TARGET:
+        from ..offline import smollm2_path
+
+        return str(smollm2_path().resolve())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if not _HUB_ID.fullmatch(name):
+        warnings.warn(f"The verifier {name!r} is neither a local folder here nor a Hub id: speculators and `vllm "
+                      "serve <folder>` will not find it. Pass verifier_name_or_path= (a Hub id or the target's "
+                      "folder).", stacklevel=3)
+    return name
+
+
+def export_dflash(drafter, folder, *, format: str = "zlab", target=None, speculative_tokens: int | None = None,
+                  verifier_name_or_path: str | None = None) -> Path:
     """Write a DFlash drafter (``MuseGlimmerAssistantModel``; merge a PEFT adapter first) in an engine layout
     (module docstring): ``config.json`` and ``model.safetensors``. ``format="speculators"`` needs ``target`` (its
-    embedding and head are stored). ``speculative_tokens`` defaults to ``block_size - 1``. Returns the folder."""
+    embedding and head are stored). ``speculative_tokens`` defaults to ``block_size - 1``. The speculators
+    layout's verifier is ``verifier_name_or_path`` when given, else the path or Hub id ``target`` was loaded from,
+    else the name recorded at build time (``resolve_verifier_name``). Returns the folder."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
     drafter = getattr(drafter, "get_base_model", lambda: drafter)()
@@ -86,6 +129,11 @@ def export_dflash(drafter, folder, *, format: str = "zlab", target=None, specula
         # a copy: tied targets share one tensor, which safetensors refuses to store twice
         weights["lm_head.weight"] = target.get_output_embeddings().weight.detach().cpu().clone()
         text = target.config.get_text_config()
+        verifier = resolve_verifier_name(verifier_name_or_path, target, target_info.get("name_or_path"))
+        if verifier is None:
+            warnings.warn("No verifier name for the speculators export (neither the target nor the drafter records "
+                          "one): speculators and `vllm serve <folder>` need one. Pass verifier_name_or_path=.",
+                          stacklevel=2)
         out = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
                "transformer_layer_config": _layer_config(config), "draft_vocab_size": config.vocab_size,
                "block_size": size, "target_hidden_size": text.hidden_size,
@@ -96,7 +144,7 @@ def export_dflash(drafter, folder, *, format: str = "zlab", target=None, specula
                    "proposal_methods": [{"proposal_type": "greedy",
                                          "speculative_tokens": int(speculative_tokens or size - 1)}],
                    "default_proposal_method": "greedy",
-                   "verifier": {"name_or_path": target_info.get("name_or_path"),
+                   "verifier": {"name_or_path": verifier,
                                 "architectures": list(getattr(target.config, "architectures", None) or [])}}}
     out["ppow_target"] = target_info  # what only ppow_trl reads back (engines ignore unknown keys)
     folder = Path(folder)
@@ -134,10 +182,23 @@ def import_dflash(folder, *, target=None) -> MuseGlimmerAssistantModel:
         raise ValueError(f"{folder} is not a z-lab or speculators DFlash folder (config.json has no DFlashDraftModel "
                          "architecture, dflash_config, nor speculators_model_type 'dflash').")
     raw = json.loads((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
     if layout == "speculators":
-        layer = raw["transformer_layer_config"]
+        # Read the layer config as speculators does: the config class its model_type names (Qwen3Config when none)
+        # built from the dict, so fields the dict leaves out take that class's defaults.
+        from transformers import AutoConfig
+
+        layer = dict(raw["transformer_layer_config"])
+        layer = AutoConfig.for_model(layer.pop("model_type", None) or "qwen3", **layer).to_dict()
         ids = [int(i) - 1 for i in raw["aux_hidden_state_layer_ids"]]
         size, mask_id = int(raw["block_size"]), int(raw["mask_token_id"])
+        draft_vocab = int(raw.get("draft_vocab_size") or layer["vocab_size"])
+        if draft_vocab != int(layer["vocab_size"]) or "d2t" in weights or raw.get("sample_from_anchor"):
+            raise ValueError(f"{folder} is a speculators DFlash drafter with a reduced draft vocabulary "
+                             f"({draft_vocab} of {layer['vocab_size']} rows, its own lm_head and d2t) or "
+                             "sample_from_anchor: transformers' DFlash class drafts through the target's full head "
+                             "from the slots after the anchor, so it cannot be imported without changing its "
+                             "predictions.")
     else:
         layer, extra = raw, raw.get("dflash_config") or {}
         ids = [int(i) for i in extra["target_layer_ids"]]
@@ -149,11 +210,12 @@ def import_dflash(folder, *, target=None) -> MuseGlimmerAssistantModel:
                                             **(layer.get("rope_scaling") or {"rope_type": "default"})}
     fields = {key: layer[key] for key in _QWEN3_FIELDS if layer.get(key) is not None}
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    # token ids stay as recorded, None included (MuseGlimmerAssistantConfig's own defaults name another vocabulary)
+    fields.update({key: layer.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
     config = MuseGlimmerAssistantConfig(**fields, rope_parameters=rope,
                                         layer_types=["full_attention"] * int(fields["num_hidden_layers"]),
                                         block_size=size, mask_token_id=mask_id, target_layer_ids=ids,
                                         ppow_target=raw.get("ppow_target") or {})
-    weights = load_file(str(folder / "model.safetensors"))
     state = {}
     for key, value in weights.items():
         if key in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d"):

@@ -71,9 +71,10 @@ class DFlashFamily(DrafterFamily):
             check_target(model, target)
         return model
 
-    def export(self, drafter, folder, *, format: str, target=None):
+    def export(self, drafter, folder, *, format: str, target=None, verifier_name_or_path: str | None = None):
         self.check_export_format(format)
-        return export_dflash(unwrap_model(drafter), folder, format=format, target=target)
+        return export_dflash(unwrap_model(drafter), folder, format=format, target=target,
+                             verifier_name_or_path=verifier_name_or_path)
 
     def session(self, drafter, target=None):
         if target is None:

@@ -11,6 +11,13 @@ SGLang ``srt/models/llama_eagle3.py``); no engine was run here:
   ``lm_head.*``, ``d2t``, ``t2d`` (and ``embed_tokens.weight`` unless left out: engines share the target's).
 - ``"speculators"``: vLLM's speculators format: ``speculators_model_type: "eagle3"``, ``speculators_config``
   (proposal method, verifier), ``transformer_layer_config``, weights ``layers.0.*`` instead of ``midlayer.*``.
+  ``speculators_config.verifier.name_or_path`` must name a model speculators and ``vllm serve <folder>`` can load
+  (``verifier_name_or_path``): by default the path or Hub id the target was loaded from.
+
+Checked against the libraries themselves when installed (``make interop``; ``tests/test_speculators_interop.py``):
+speculators 0.9.0's ``Eagle3DraftModel.from_pretrained`` loads the speculators export and SpecForge 0.2.0's
+``LlamaForCausalLMEagle3`` the SpecForge export, with logits equal to ours over three training-time-test steps, and
+checkpoints saved by either library import back with equal logits.
 
 Conventions that differ between them (and from ours):
 
@@ -28,6 +35,8 @@ Only one decoder layer (``midlayer``) is portable: both layouts and both engines
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -64,13 +73,48 @@ def _vocab_maps(drafter: Eagle3DrafterForCausalLM) -> tuple[torch.Tensor, torch.
     return d2t, t2d
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def resolve_verifier_name(explicit=None, target=None, recorded=None) -> str | None:
+    """The verifier name a speculators export records: one that speculators (``from_pretrained`` reads the
+    verifier's config and weights) and ``vllm serve <folder>`` (which serves it as the target) can load.
+
+    ``explicit`` wins, then the path or Hub id ``target`` was loaded from (``target.config._name_or_path``), then
+    the name recorded when the drafter was built. ppow_trl's offline alias (``ppow_trl.models.OFFLINE_TARGET``,
+    which names no model) becomes its converted local folder; an existing local folder is made absolute; anything
+    else is kept as a Hub id, with a warning when it cannot be one (e.g. a local path that does not exist here)."""
+    candidates = (explicit, getattr(getattr(target, "config", None), "_name_or_path", None), recorded)
+    name = next((str(c) for c in candidates if c), None)
+    if name is None:
+        return None
+    from ..models import OFFLINE_TARGET
+
+    if name == OFFLINE_TARGET:
+        from ..offline import smollm2_path
+
+        return str(smollm2_path().resolve())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if not _HUB_ID.fullmatch(name):
+        warnings.warn(f"The verifier {name!r} is neither a local folder here nor a Hub id: speculators and `vllm "
+                      "serve <folder>` will not find it. Pass verifier_name_or_path= (a Hub id or the target's "
+                      "folder).", stacklevel=3)
+    return name
+
+
 def export_eagle3(drafter: Eagle3DrafterForCausalLM, folder, *, format: str = "specforge",
-                  include_embeddings: bool = True, speculative_tokens: int | None = None) -> Path:
+                  include_embeddings: bool = True, speculative_tokens: int | None = None, target=None,
+                  verifier_name_or_path: str | None = None) -> Path:
     """Write ``drafter`` in an EAGLE-3 layout (module docstring) to ``folder``: ``config.json`` and
     ``model.safetensors``. ``include_embeddings=False`` leaves out ``embed_tokens.weight`` (engines share the
     target's; SpecForge's SGLang export does the same). ``speculative_tokens`` (speculators' proposal method)
     defaults to the drafter's saved window policy's ``K`` when it has one in ``generation_config``, else 3.
-    Returns the folder."""
+
+    speculators layout: ``speculators_config.verifier`` names ``verifier_name_or_path`` when given, else the path or
+    Hub id ``target`` was loaded from, else the name recorded in the drafter's config (``resolve_verifier_name``);
+    its ``architectures`` are ``target``'s when given. Returns the folder."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
     drafter = getattr(drafter, "get_base_model", lambda: drafter)()
@@ -89,6 +133,12 @@ def export_eagle3(drafter: Eagle3DrafterForCausalLM, folder, *, format: str = "s
                if include_embeddings or not key.startswith("embed_tokens.")}
     weights.update(d2t=d2t, t2d=t2d)
     ours = list(config.target_layer_ids)
+    if format == "speculators" and len(set(ours)) != len(ours):
+        warnings.warn(f"target_layer_ids {ours} repeat a layer: speculators refuses such a checkpoint (its layer ids "
+                      "must be distinct).", stacklevel=2)
+    if format == "specforge" and len(ours) != 3:
+        warnings.warn(f"SpecForge and SGLang build fc for exactly 3 target layers; this drafter reads {len(ours)}.",
+                      stacklevel=2)
     common = {"draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size,
               "norm_before_residual": False, "torch_dtype": str(drafter.dtype).removeprefix("torch.")}
     if format == "specforge":
@@ -98,14 +148,21 @@ def export_eagle3(drafter: Eagle3DrafterForCausalLM, folder, *, format: str = "s
     else:
         policy = (getattr(drafter.generation_config, "ppow_window_policy", None) or {})
         tokens = speculative_tokens or policy.get("max_window") or 3
+        verifier = resolve_verifier_name(verifier_name_or_path, target, config.target_name_or_path)
+        if verifier is None:
+            warnings.warn("No verifier name for the speculators export (neither the target nor the drafter records "
+                          "one): speculators and `vllm serve <folder>` need one. Pass verifier_name_or_path=.",
+                          stacklevel=2)
+        architectures = list(getattr(getattr(target, "config", None), "architectures", None) or
+                             [_target_architecture(config)])
         out = {**common, "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                "speculators_config": {
                    "algorithm": "eagle3",
                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(tokens),
                                          "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                    "default_proposal_method": "greedy",
-                   "verifier": {"name_or_path": config.target_name_or_path,
-                                "architectures": [_target_architecture(config)]}},
+                   "verifier": {"name_or_path": verifier,
+                                "architectures": architectures}},
                "transformer_layer_config": _layer_config(config), "eagle_aux_hidden_state_layer_ids": ours,
                "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False}
     # What only ppow_trl reads back: the target the drafter was built for (engines ignore unknown keys).
@@ -166,7 +223,14 @@ def import_eagle3(folder, *, target=None, target_layer_ids: list[int] | None = N
         raise ValueError(f"{folder} is not a SpecForge or speculators EAGLE-3 folder (config.json has no "
                          "LlamaForCausalLMEagle3 architecture nor speculators_model_type 'eagle3').")
     raw = json.loads((folder / "config.json").read_text())
-    layer = raw["transformer_layer_config"] if layout == "speculators" else raw
+    layer = raw
+    if layout == "speculators":
+        # Read the layer config as speculators does: the config class its model_type names (Qwen3Config when none)
+        # built from the dict, so fields the dict leaves out take that class's defaults.
+        from transformers import AutoConfig
+
+        layer = dict(raw["transformer_layer_config"])
+        layer = AutoConfig.for_model(layer.pop("model_type", None) or "qwen3", **layer).to_dict()
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise ValueError(f"{folder} has {layer['num_hidden_layers']} draft layers; only one (midlayer) is supported.")
     weights = _load_weights(folder)
@@ -178,6 +242,13 @@ def import_eagle3(folder, *, target=None, target_layer_ids: list[int] | None = N
     if raw.get("norm_before_residual") or raw.get("norm_before_fc") or raw.get("fc_norm"):
         raise ValueError(f"{folder} uses norm_before_residual / norm_before_fc / fc_norm, which this drafter does not "
                          "implement.")
+    # `norm_output` means opposite things in the two projects: speculators' True feeds the *normed* state back across
+    # drafting steps (EAGLE 3.1); SpecForge's False drops the final norm before the head. Ours is neither.
+    norm_output = raw.get("norm_output")
+    if (layout == "speculators" and norm_output) or (layout == "specforge" and norm_output is False):
+        raise ValueError(f"{folder} sets norm_output={norm_output} ({layout}), a variant this drafter does not "
+                         "implement (it feeds back the state before the final norm and applies that norm before "
+                         "the head).")
     ours = raw.get("ppow_trl", {})
     layer_ids = target_layer_ids or raw.get("eagle_aux_hidden_state_layer_ids")
     if layer_ids is None and "eagle_config" in raw:

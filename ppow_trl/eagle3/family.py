@@ -60,9 +60,10 @@ class Eagle3Family(DrafterFamily):
             model.check_target(target)
         return model
 
-    def export(self, drafter, folder, *, format: str, target=None):
+    def export(self, drafter, folder, *, format: str, target=None, verifier_name_or_path: str | None = None):
         self.check_export_format(format)
-        return export_eagle3(unwrap_model(drafter), folder, format=format)
+        return export_eagle3(unwrap_model(drafter), folder, format=format, target=target,
+                             verifier_name_or_path=verifier_name_or_path)
 
     def session(self, drafter, target=None):
         if target is not None:
