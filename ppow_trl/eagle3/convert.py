@@ -35,13 +35,13 @@ Only one decoder layer (``midlayer``) is portable: both layouts and both engines
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..models import resolve_verifier_name
 from .configuration_eagle3 import Eagle3DrafterConfig
 from .modeling_eagle3 import Eagle3DrafterForCausalLM
 
@@ -71,37 +71,6 @@ def _vocab_maps(drafter: Eagle3DrafterForCausalLM) -> tuple[torch.Tensor, torch.
     t2d = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
     t2d[ids] = True
     return d2t, t2d
-
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-
-
-def resolve_verifier_name(explicit=None, target=None, recorded=None) -> str | None:
-    """The verifier name a speculators export records: one that speculators (``from_pretrained`` reads the
-    verifier's config and weights) and ``vllm serve <folder>`` (which serves it as the target) can load.
-
-    ``explicit`` wins, then the path or Hub id ``target`` was loaded from (``target.config._name_or_path``), then
-    the name recorded when the drafter was built. ppow_trl's offline alias (``ppow_trl.models.OFFLINE_TARGET``,
-    which names no model) becomes its converted local folder; an existing local folder is made absolute; anything
-    else is kept as a Hub id, with a warning when it cannot be one (e.g. a local path that does not exist here)."""
-    candidates = (explicit, getattr(getattr(target, "config", None), "_name_or_path", None), recorded)
-    name = next((str(c) for c in candidates if c), None)
-    if name is None:
-        return None
-    from ..models import OFFLINE_TARGET
-
-    if name == OFFLINE_TARGET:
-        from ..offline import smollm2_path
-
-        return str(smollm2_path().resolve())
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return str(path.resolve())
-    if not _HUB_ID.fullmatch(name):
-        warnings.warn(f"The verifier {name!r} is neither a local folder here nor a Hub id: speculators and `vllm "
-                      "serve <folder>` will not find it. Pass verifier_name_or_path= (a Hub id or the target's "
-                      "folder).", stacklevel=3)
-    return name
 
 
 def export_eagle3(drafter: Eagle3DrafterForCausalLM, folder, *, format: str = "specforge",
