@@ -32,8 +32,8 @@ from ppow_trl.cached_verification import cached_next_tokens, verify_windows_from
 from ppow_trl.contexts import ContextPool
 from ppow_trl.cost import CostModel
 from ppow_trl.rollout import verify_windows, window_rewards
-from ppow_trl.study.runner import StudyConfig, _build_drafter, _load, _load_drafter
 from ppow_trl.study.arms import ARMS
+from ppow_trl.study.runner import StudyConfig, _build_drafter, _load, _load_drafter
 from ppow_trl.utils import set_cpu_threads
 from ppow_trl.windowing import AdaptiveWindowPolicy
 

@@ -3,8 +3,12 @@
 import pytest
 import torch
 
-from ppow_trl.cached_verification import (PAST_TEXT, cached_next_tokens, leaves_cached_text,
-                                          verify_windows_from_cache)
+from ppow_trl.cached_verification import (
+    PAST_TEXT,
+    cached_next_tokens,
+    leaves_cached_text,
+    verify_windows_from_cache,
+)
 from ppow_trl.cost import CostModel
 from ppow_trl.rollout import reached_positions, verify_windows, window_rewards
 from ppow_trl.windowing import AdaptiveWindowPolicy

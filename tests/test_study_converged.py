@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from ppow_trl.study.converged import ConvergedConfig, arm_finished, converge, converged_finished, run_arm
+from ppow_trl.study.converged import (
+    ConvergedConfig,
+    arm_finished,
+    converge,
+    converged_finished,
+    run_arm,
+)
 from ppow_trl.study.converged_report import write_report
 
 

@@ -43,6 +43,9 @@ WORK = Path("outputs/study_converged")
 FAMILIES = {"truncated": Arm("converge", "kd", "KD to convergence"),
             "eagle3": Arm("converge", "kd", "KD to convergence", drafter="eagle3", build=EAGLE3_BUILD)}
 SAMPLING_SETS = ("mtbench", "sharegpt_test")  # T = 1 closed-form E[A|y] on both test sets
+# The EAGLE-3 head's evaluation runs the target over every prompt for its features (~1 s a prompt here, 4x the
+# truncated drafter's): its arms are evaluated at fixed K only (the primary measure) and probed at start and end.
+QUICK_EVALUATION = ("eagle3",)
 ARMS = ("kd_more", "ppow_cache", "ppow_t1", "on_policy", "ppow_dense")
 
 
@@ -68,7 +71,7 @@ class ConvergedConfig:
         return asdict(self)
 
     @classmethod
-    def smoke(cls) -> "ConvergedConfig":
+    def smoke(cls) -> ConvergedConfig:
         return cls(study=StudyConfig.smoke(), eval_steps=2, patience=1, max_kd_steps=(("truncated", 4), ("eagle3", 4)),
                    extra_seconds=4.0,
                    probe_every_seconds=2.0, seeds=(0,), on_policy_contexts_per_step=2)
@@ -90,7 +93,6 @@ def _write(path: Path, data: dict) -> None:
 
 def converge(family: str, config: ConvergedConfig, results: Path = RESULTS, work: Path = WORK) -> dict:
     """KD until the held-out exact greedy tau stops rising; saves the best drafter, its cost model and rule."""
-    import tempfile
 
     from transformers import EarlyStoppingCallback, set_seed
 
@@ -191,23 +193,28 @@ def run_arm(family: str, arm: str, seed: int, config: ConvergedConfig, results: 
     target, tokenizer, train, calibration, tests, _ = _load(study)
     eos = stop_token_ids(target, tokenizer)
     probe = _probe(target, calibration, study, len(tokenizer), eos)
+    quick = family in QUICK_EVALUATION
+    probe_every = config.extra_seconds if quick else config.probe_every_seconds
     drafter = _load_drafter(start, target).train()
     policy = AdaptiveWindowPolicy.from_pretrained(start)
     cost = load_cost_model(start)
     clock = time.perf_counter()
     if arm == "kd_more":
-        drafter, trained, curve, log = _kd_more(drafter, target, tokenizer, train, study, config, seed, probe)
+        drafter, trained, curve, log = _kd_more(drafter, target, tokenizer, train, study, config, seed, probe,
+                                                probe_every)
     elif arm == "on_policy":
-        drafter, trained, curve, log = _on_policy(drafter, target, tokenizer, train, study, config, seed, probe)
+        drafter, trained, curve, log = _on_policy(drafter, target, tokenizer, train, study, config, seed, probe,
+                                                  probe_every)
     else:
         drafter, trained, curve, log = _ppow(drafter, target, tokenizer, train, calibration, study, config, seed,
-                                             probe, cost, PPOW_ARMS[arm], work / "trainer" / f"{family}_{arm}_s{seed}")
+                                             probe, probe_every, cost, PPOW_ARMS[arm],
+                                             work / "trainer" / f"{family}_{arm}_s{seed}")
     seconds = time.perf_counter() - clock
     # loadable by `python -m ppow_trl.bench --drafter` (the measured speed of the best arms)
     save_assistant(drafter.eval(), work / f"{family}_{arm}_s{seed}", policy=policy, cost_model=cost, tokenizer=tokenizer)
     result = _result(f"{family}_{arm}", ARM_DESCRIPTIONS[arm], study, threads, None, trained, policy, cost,
-                     evaluate_arm(target, tokenizer, drafter.eval(), policy, tests, study, eos,
-                                  SAMPLING_SETS), seconds, None,
+                     evaluate_arm(target, tokenizer, drafter.eval(), policy, tests, study, eos, SAMPLING_SETS,
+                                  rules=("fixed_k",) if quick else ("policy", "fixed_k")), seconds, None,
                      history=curve)
     result.update(family=family, seed=seed, converged_config=config.to_dict(), train_log=log)
     _write(results / "arms" / f"{family}_{arm}_s{seed}.json", result)
@@ -223,7 +230,7 @@ ARM_DESCRIPTIONS = {
 }
 
 
-def _kd_more(drafter, target, tokenizer, train, study, config, seed, probe):
+def _kd_more(drafter, target, tokenizer, train, study, config, seed, probe, probe_every):
     import tempfile
 
     from ..drafting import family_of
@@ -235,7 +242,7 @@ def _kd_more(drafter, target, tokenizer, train, study, config, seed, probe):
     layer_ids = family_of(drafter).target_layer_ids(drafter)
     if layer_ids is not None:
         data = train_features(target, data, layer_ids, study.data)
-    budget = TrainingBudget(config.extra_seconds, probe=probe, probe_every=config.probe_every_seconds)
+    budget = TrainingBudget(config.extra_seconds, probe=probe, probe_every=probe_every)
     # Constant learning rate, as the converging run used (no warm-up: the optimizer restarts, the drafter does not).
     args = KDConfig(output_dir=tempfile.mkdtemp(prefix="converged-kd-"), max_steps=10**6,
                     per_device_train_batch_size=study.kd_batch_size, learning_rate=study.kd_learning_rate,
@@ -249,7 +256,7 @@ def _kd_more(drafter, target, tokenizer, train, study, config, seed, probe):
     return trainer.model, trained, budget.history, _numeric_log(trainer)
 
 
-def _on_policy(drafter, target, tokenizer, train, study, config, seed, probe):
+def _on_policy(drafter, target, tokenizer, train, study, config, seed, probe, probe_every):
     from ..contexts import ContextPool
     from ..on_policy import train_on_policy
 
@@ -258,12 +265,13 @@ def _on_policy(drafter, target, tokenizer, train, study, config, seed, probe):
                           contexts_per_step=config.on_policy_contexts_per_step,
                           windows_per_context=config.on_policy_windows_per_context, max_window=study.max_window,
                           top_k=config.on_policy_top_k, vocab_size=len(tokenizer), pad_id=tokenizer.pad_token_id,
-                          seed=seed, probe=probe, probe_every=config.probe_every_seconds)
+                          seed=seed, probe=probe, probe_every=probe_every)
     trained = {key: out[key] for key in ("optimizer_steps", "trained_window_tokens", "train_step_seconds")}
     return drafter, trained, out["curve"], out["log"]
 
 
-def _ppow(drafter, target, tokenizer, train, calibration, study, config, seed, probe, cost, fields, output_dir):
+def _ppow(drafter, target, tokenizer, train, calibration, study, config, seed, probe, probe_every, cost, fields,
+          output_dir):
     import copy
 
     from peft import LoraConfig
@@ -283,7 +291,7 @@ def _ppow(drafter, target, tokenizer, train, calibration, study, config, seed, p
                     # the converged drafter's measured cost model (same architecture: the same costs)
                     drafter_cost=cost.drafter_cost, verify_cost=list(cost.verify_cost)[: study.max_window + 1])
     settings.update(fields)
-    budget = TrainingBudget(config.extra_seconds, probe=probe, probe_every=config.probe_every_seconds)
+    budget = TrainingBudget(config.extra_seconds, probe=probe, probe_every=probe_every)
     lora = LoraConfig(r=study.lora_r, lora_alpha=2 * study.lora_r, task_type=family_of(drafter).peft_task_type,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     trainer = PPOWTrainer(model=drafter, target_model=target, args=PPOWConfig(**settings), train_dataset=train,

@@ -115,14 +115,15 @@ def _probe(target, calibration, config: StudyConfig, vocab: int, eos: list[int])
 
 
 def evaluate_arm(target, tokenizer, drafter, policy, tests, config: StudyConfig, eos: list[int],
-                 sampling_sets: tuple[str, ...] = ("mtbench",)) -> dict:
-    """Greedy records at the saved policy and at fixed K on every test set; T = 1 records on ``sampling_sets``."""
+                 sampling_sets: tuple[str, ...] = ("mtbench",), rules: tuple[str, ...] = ("policy", "fixed_k")) -> dict:
+    """Greedy records at the saved policy and at fixed K (``rules``) on every test set; T = 1 records on
+    ``sampling_sets``."""
     from ..windowing import AdaptiveWindowPolicy
     from .evaluate import greedy_records, sampled_records
 
     vocab = len(tokenizer)
     fixed = AdaptiveWindowPolicy(config.eval_max_window, 0.0, policy.confidence_temperature)
-    policies = {"policy": policy, "fixed_k": fixed}
+    policies = {name: p for name, p in (("policy", policy), ("fixed_k", fixed)) if name in rules}
     drafter.eval()
     out = {"greedy": {}, "sampling": {}}
     for name, data in tests.items():
