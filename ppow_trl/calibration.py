@@ -67,20 +67,24 @@ def calibration_rollouts(
     pad_id: int = 0,
     batch_size: int = 16,
     seed: int = 0,
+    samples_per_context: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Windows of ``max_window`` tokens after each context: ``(confidences, P(A >= k | y))``, both ``(N, K)``.
+    """Windows of ``max_window`` tokens after each context: ``(confidences, P(A >= k | y))``, both ``(N S, K)``.
 
-    ``greedy``: greedy drafting and verification; else both at ``temperature``. The sampling generator lives on
-    the drafter's device and is seeded by ``seed``.
+    ``greedy``: greedy drafting and verification; else both at ``temperature``, ``S = samples_per_context`` windows
+    per context (rows context-major; each context prefilled once). The sampling generator lives on the drafter's
+    device and is seeded by ``seed``. ``batch_size`` counts rows (contexts x samples).
     """
     full = AdaptiveWindowPolicy(max_window, 0.0, confidence_temperature)
     device = next(drafter.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
     confidences, prefixes = [], []
-    for start in range(0, len(contexts), batch_size):
-        chunk = contexts[start : start + batch_size]
+    step = max(1, batch_size // samples_per_context)
+    for start in range(0, len(contexts), step):
+        chunk = contexts[start : start + step]
         verified = verify_windows(target, drafter, chunk, full, greedy=greedy, temperature=0.0 if greedy else temperature,
-                                  pad_id=pad_id, vocab_size=vocab_size, generator=generator)
+                                  pad_id=pad_id, vocab_size=vocab_size, generator=generator,
+                                  num_samples_per_context=samples_per_context)
         # Rows of a batch stop together only when all stopped: with h = 0 every row drafts K tokens.
         confidences.append(verified.drafted.confidences.float().cpu())
         prefixes.append(verified.prefix.float().cpu())

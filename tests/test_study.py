@@ -118,6 +118,14 @@ def test_sampled_records_match_the_live_loop_in_expectation():
         assert abs(live.mean() - estimate.mean()) < 4 * standard_error, name
         assert estimate.var() < live.var()  # closed form: less variance than the live loop
     assert sum(r["drafted"] for r in sampled["adaptive"]) < 3 * n  # the threshold shortens some windows
+    # several windows per prompt: one record per prompt, the same expectation, less spread between prompts
+    pooled = sampled_records(target, drafter, data.select(range(150)), policies, max_window=3, vocab_size=8, pad_id=0,
+                             seed=1, samples_per_context=4)
+    for name in policies:
+        one = torch.tensor([r["accepted"] for r in sampled[name]], dtype=torch.float64)
+        four = torch.tensor([r["accepted"] for r in pooled[name]], dtype=torch.float64)
+        assert len(four) == 150 and abs(four.mean() - one.mean()) < 4 * math.sqrt(one.var() / n + four.var() / 150)
+        assert four.var() < 0.5 * one.var(), name
 
 
 def test_training_budget_stops_probes_and_runs_milestones(tmp_path):

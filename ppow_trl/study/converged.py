@@ -46,6 +46,8 @@ SAMPLING_SETS = ("mtbench", "sharegpt_test")  # T = 1 closed-form E[A|y] on both
 # The EAGLE-3 head's evaluation runs the target over every prompt for its features (~1 s a prompt here, 4x the
 # truncated drafter's): its arms are evaluated at fixed K only (the primary measure) and probed at start and end.
 QUICK_EVALUATION = ("eagle3",)
+# T = 1 windows per test prompt: E[A|y] is averaged over 8 drafted windows (one sample gave intervals of +-60%).
+SAMPLES_PER_CONTEXT = 8
 ARMS = ("kd_more", "ppow_cache", "ppow_t1", "on_policy", "ppow_dense")
 
 
@@ -143,9 +145,10 @@ def converge(family: str, config: ConvergedConfig, results: Path = RESULTS, work
                "max_steps": max_steps, "stopped_early": trainer.state.global_step < max_steps}
     result = _result(f"{family}_converged", "KD to convergence (early stopping on eval_tau)", study, threads, None,
                      trained, policy, cost,
-                     evaluate_arm(target, tokenizer, drafter, policy, tests, study, eos, SAMPLING_SETS), seconds,
+                     evaluate_arm(target, tokenizer, drafter, policy, tests, study, eos, SAMPLING_SETS,
+                                  samples_per_context=SAMPLES_PER_CONTEXT), seconds,
                      trainer, history=curve)
-    result["converged_config"] = config.to_dict()
+    result.update(converged_config=config.to_dict(), sampling_samples_per_context=SAMPLES_PER_CONTEXT)
     _write(results / f"converged_{family}.json", result)
     return result
 
@@ -214,9 +217,11 @@ def run_arm(family: str, arm: str, seed: int, config: ConvergedConfig, results: 
     save_assistant(drafter.eval(), work / f"{family}_{arm}_s{seed}", policy=policy, cost_model=cost, tokenizer=tokenizer)
     result = _result(f"{family}_{arm}", ARM_DESCRIPTIONS[arm], study, threads, None, trained, policy, cost,
                      evaluate_arm(target, tokenizer, drafter.eval(), policy, tests, study, eos, SAMPLING_SETS,
-                                  rules=("fixed_k",) if quick else ("policy", "fixed_k")), seconds, None,
+                                  rules=("fixed_k",) if quick else ("policy", "fixed_k"),
+                                  samples_per_context=SAMPLES_PER_CONTEXT), seconds, None,
                      history=curve)
-    result.update(family=family, seed=seed, converged_config=config.to_dict(), train_log=log)
+    result.update(family=family, seed=seed, converged_config=config.to_dict(), train_log=log,
+                  sampling_samples_per_context=SAMPLES_PER_CONTEXT)
     _write(results / "arms" / f"{family}_{arm}_s{seed}.json", result)
     return result
 
@@ -308,6 +313,34 @@ def _numeric_log(trainer) -> list[dict]:
     return [{k: v for k, v in row.items() if isinstance(v, (int, float))} for row in trainer.state.log_history]
 
 
+def resample_sampling(path: Path, work: Path = WORK) -> None:
+    """Recompute a finished result's T = 1 records with ``SAMPLES_PER_CONTEXT`` windows per prompt, from its saved
+    drafter (results written before the evaluation drew several windows per prompt)."""
+    from ..utils import set_cpu_threads
+    from ..windowing import AdaptiveWindowPolicy
+    from .evaluate import sampled_records
+    from .runner import _load, _load_drafter
+
+    result = json.loads(path.read_text())
+    if result.get("sampling_samples_per_context") == SAMPLES_PER_CONTEXT:
+        return
+    set_cpu_threads()
+    study = ConvergedConfig().study
+    name = result["arm"] if "seed" not in result else f"{result['arm']}_s{result['seed']}"
+    target, tokenizer, _, _, tests, _ = _load(study)
+    drafter = _load_drafter(work / name, target)
+    policy = AdaptiveWindowPolicy.from_pretrained(work / name)
+    fixed = AdaptiveWindowPolicy(study.eval_max_window, 0.0, policy.confidence_temperature)
+    rules = {key: p for key, p in (("policy", policy), ("fixed_k", fixed)) if key in result["evaluation"]["greedy"]["mtbench"]}
+    for test_set in SAMPLING_SETS:
+        result["evaluation"]["sampling"][test_set] = sampled_records(
+            target, drafter, tests[test_set], rules, max_window=max(p.max_window for p in rules.values()),
+            vocab_size=len(tokenizer), pad_id=tokenizer.pad_token_id, seed=study.seed,
+            samples_per_context=SAMPLES_PER_CONTEXT)
+    result["sampling_samples_per_context"] = SAMPLES_PER_CONTEXT
+    _write(path, result)
+
+
 def converged_finished(family: str, config: ConvergedConfig, results: Path = RESULTS) -> bool:
     path = results / f"converged_{family}.json"
     return path.is_file() and _json_equal(json.loads(path.read_text()).get("converged_config"), config.to_dict())
@@ -328,10 +361,15 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny data and budgets: test the pipeline in minutes")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--run", nargs=3, metavar=("FAMILY", "ARM", "SEED"), help=argparse.SUPPRESS)
+    parser.add_argument("--resample", type=Path, nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}.")
     config = ConvergedConfig.smoke() if args.smoke else ConvergedConfig()
+    if args.resample:
+        for path in args.resample:
+            resample_sampling(path, args.work)
+        return
     if args.run:
         family, arm, seed = args.run
         if arm == "converge":

@@ -43,8 +43,10 @@ def greedy_records(target, drafter, dataset, policy: AdaptiveWindowPolicy, *, ma
 
 @torch.no_grad()
 def sampled_records(target, drafter, dataset, policies: dict[str, AdaptiveWindowPolicy], *, max_window: int,
-                    vocab_size: int, pad_id: int, temperature: float = 1.0, seed: int = 0) -> dict[str, list[dict]]:
-    """Per prompt and policy: ``{"accepted": E[A | y], "rounds": 1}`` of a window sampled at ``temperature``.
+                    vocab_size: int, pad_id: int, temperature: float = 1.0, seed: int = 0,
+                    samples_per_context: int = 1) -> dict[str, list[dict]]:
+    """Per prompt and policy: ``{"accepted": E[A | y], "rounds": 1}`` of a window sampled at ``temperature`` (the mean
+    over ``samples_per_context`` windows: less sampling noise in the intervals, same expectation).
 
     The context of each prompt is its prompt plus the first third of its response (one context per prompt).
     """
@@ -52,15 +54,17 @@ def sampled_records(target, drafter, dataset, policies: dict[str, AdaptiveWindow
                 for p, r in zip(dataset["prompt_ids"], dataset["response_ids"])]
     confidences, prefix = calibration_rollouts(target, drafter, contexts, max_window=max_window, greedy=False,
                                                temperature=temperature, vocab_size=vocab_size, pad_id=pad_id,
-                                               seed=seed,
+                                               seed=seed, samples_per_context=samples_per_context,
                                                confidence_temperature=next(iter(policies.values())).confidence_temperature)
     out = {}
     for name, policy in policies.items():
         if policy.max_window > max_window:
             raise ValueError(f"Policy {name} has K = {policy.max_window} > the sampled windows' {max_window}.")
         lengths = policy.window_lengths(confidences)
-        expected = expected_accepted_within(prefix, lengths)
-        out[name] = [{"accepted": float(e), "rounds": 1, "drafted": int(n)} for e, n in zip(expected, lengths)]
+        expected = expected_accepted_within(prefix, lengths).view(-1, samples_per_context).mean(-1)
+        drafted = lengths.float().view(-1, samples_per_context).mean(-1)
+        out[name] = [{"accepted": float(e), "rounds": 1, "drafted": float(n) if samples_per_context > 1 else int(n)}
+                     for e, n in zip(expected, drafted)]
     return out
 
 

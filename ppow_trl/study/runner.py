@@ -115,7 +115,8 @@ def _probe(target, calibration, config: StudyConfig, vocab: int, eos: list[int])
 
 
 def evaluate_arm(target, tokenizer, drafter, policy, tests, config: StudyConfig, eos: list[int],
-                 sampling_sets: tuple[str, ...] = ("mtbench",), rules: tuple[str, ...] = ("policy", "fixed_k")) -> dict:
+                 sampling_sets: tuple[str, ...] = ("mtbench",), rules: tuple[str, ...] = ("policy", "fixed_k"),
+                 samples_per_context: int = 1) -> dict:
     """Greedy records at the saved policy and at fixed K (``rules``) on every test set; T = 1 records on
     ``sampling_sets``."""
     from ..windowing import AdaptiveWindowPolicy
@@ -133,7 +134,8 @@ def evaluate_arm(target, tokenizer, drafter, policy, tests, config: StudyConfig,
     for name in sampling_sets:
         out["sampling"][name] = sampled_records(target, drafter, tests[name], policies,
                                                 max_window=max(policy.max_window, fixed.max_window), vocab_size=vocab,
-                                                pad_id=tokenizer.pad_token_id, seed=config.seed)
+                                                pad_id=tokenizer.pad_token_id, seed=config.seed,
+                                                samples_per_context=samples_per_context)
     return out
 
 
