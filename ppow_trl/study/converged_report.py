@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .converged import SAMPLES_PER_CONTEXT
 from .evaluate import bootstrap_interval, paired_ratio_interval, ratio_of_sums
 
 BASELINE = "kd_more"
@@ -34,7 +35,12 @@ def load_results(results: Path) -> dict:
     return out
 
 
+# T = 1 records drawn with fewer windows per prompt than the study's are left out (too noisy to compare)
+
+
 def _records(result: dict, mode: str, test_set: str, rule: str) -> list[dict] | None:
+    if mode == "sampling" and result.get("sampling_samples_per_context") != SAMPLES_PER_CONTEXT:
+        return None
     return (result["evaluation"].get(mode, {}).get(test_set) or {}).get(rule)
 
 
