@@ -5,7 +5,7 @@ PIP ?= $(PYTHON) -m pip
 # `make setup TORCH_SPEC=` (empty) so that pip keeps it.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup interop demo test test-fast
+.PHONY: setup interop demo test test-fast notebooks
 
 setup:
 	$(if $(TORCH_SPEC),$(PIP) install -q "$(TORCH_SPEC)")
@@ -30,3 +30,9 @@ test: setup
 
 test-fast:
 	$(PYTHON) -m pytest -q -n 2 -m "not slow"
+
+# Re-execute the three tutorial notebooks in order (one temporary working directory, offline) and write them back into
+# notebooks/ with their outputs: the committed outputs, in fast settings (PPOW_NOTEBOOK_FAST=1, a few minutes on 2
+# CPU cores). `make notebooks NOTEBOOKS_FULL=1`: the notebooks' default (full) settings instead.
+notebooks:
+	$(PYTHON) notebooks/execute.py $(if $(NOTEBOOKS_FULL),,--fast)
