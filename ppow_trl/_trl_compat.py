@@ -136,6 +136,9 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "Trainer.compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
     # KDTrainer (public): adds its averaged kd/* metrics to each log
     "Trainer.log": ("self", "logs", "start_time"),
+    # KDTrainer (public): eval_loss where the rows carry the teacher's top-k, plus eval_tau (KDConfig.eval_tau_window)
+    "Trainer.evaluation_loop": ("self", "dataloader", "description", "prediction_loss_only", "ignore_keys",
+                                "metric_key_prefix"),
 }
 
 # Private methods ppow_trl calls without overriding them -> parameter names.

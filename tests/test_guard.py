@@ -200,4 +200,6 @@ def test_calibrate_for_serving_measures_the_served_drafter_and_picks_plain_decod
         assert policy.calibration["best_speculative_rule"]["max_window"] >= 1
         assert policy.calibration["serving_rule"].startswith("No speculation" if policy.max_window == 0 else "K = ")
         if policy.max_window:
-            assert policy.guard["break_even_tokens"] > 1.0
+            # a measured round cost in target steps: positive, but not bounded by 1 on a loaded machine (timing noise
+            # can make a measured verification cheaper than a measured step); its formula is tested above
+            assert policy.guard["break_even_tokens"] > 0.0
