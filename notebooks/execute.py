@@ -30,6 +30,8 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+from ppow_trl.utils import cpu_name
+
 NOTEBOOKS = Path(__file__).resolve().parent
 ORDER = ("01_speculative_decoding_and_ppow.ipynb", "02_train_a_drafter.ipynb", "03_generate_with_a_drafter.ipynb")
 ENVIRONMENT = {
@@ -77,16 +79,6 @@ def error_outputs(notebook) -> list:
             for output in cell.get("outputs", []) if output.get("output_type") == "error"]
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def outputs_note(fast: bool) -> str:
     """The note at the top of an executed notebook: where and with which settings its outputs were made."""
     try:
@@ -95,7 +87,7 @@ def outputs_note(fast: bool) -> str:
         torch_version = "?"
     settings = ("**fast settings** (`PPOW_NOTEBOOK_FAST=1`: fewer prompts, tokens and steps than the defaults; "
                 "figures quoted in the text come from the default settings)" if fast else "the default (full) settings")
-    return (f"> **Outputs** from `make notebooks` on {datetime.date.today().isoformat()}: {_cpu_name()}, "
+    return (f"> **Outputs** from `make notebooks` on {datetime.date.today().isoformat()}: {cpu_name()}, "
             f"{os.cpu_count()} CPU cores, {platform.platform()}, python {platform.python_version()}, torch "
             f"{torch_version}; fp32; {settings}. Timings depend on the machine and its load.")
 

@@ -131,7 +131,12 @@ def load_json(folder_or_repo, filename: str, missing_hint: str, **hub_kwargs) ->
             raise FileNotFoundError(f"No {filename} in {folder}: {missing_hint}")
         return json.loads(path.read_text())
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+    )
 
     try:
         path = hf_hub_download(str(folder_or_repo), filename, **hub_kwargs)
@@ -148,3 +153,16 @@ def _looks_like_repo_id(name) -> bool:
     """``owner/name`` or ``name`` without path separators beyond one ``/``, not an existing path."""
     text = str(name)
     return not Path(text).exists() and text.count("/") <= 1 and not text.startswith((".", "~")) and bool(text)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows: stated with every measured figure."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

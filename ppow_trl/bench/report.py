@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from ..metrics import summarize
-from ..verification import acceptance_histogram
 from ..serving import describe_serving_rule
+from ..utils import cpu_name
+from ..verification import acceptance_histogram
 from .runners import DRAFTER_METHODS, FAST_METHODS, METHODS, BenchDrafter
 
 # (method, baseline): figures reported as median/p25/p75 of per-prompt tokens/s ratios
@@ -114,7 +115,7 @@ def machine_info(device: torch.device) -> dict:
     import transformers
 
     info = {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "cpu": _cpu_name(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "cpu": cpu_name(), "torch": torch.__version__,
             "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
             "device": str(device), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     if device.type == "cuda":
@@ -124,16 +125,6 @@ def machine_info(device: torch.device) -> dict:
     except importlib.metadata.PackageNotFoundError:
         pass
     return info
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 # ---------------------------------------------------------------------------------------------------------
