@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .arms import EAGLE3_BUILD, Arm
+from .evaluate import SAMPLES_PER_CONTEXT
 from .runner import StudyConfig
 
 RESULTS = Path("benchmarks/results/study_converged")
@@ -46,8 +47,6 @@ SAMPLING_SETS = ("mtbench", "sharegpt_test")  # T = 1 closed-form E[A|y] on both
 # The EAGLE-3 head's evaluation runs the target over every prompt for its features (~1 s a prompt here, 4x the
 # truncated drafter's): its arms are evaluated at fixed K only (the primary measure) and probed at start and end.
 QUICK_EVALUATION = ("eagle3",)
-# T = 1 windows per test prompt: E[A|y] is averaged over 8 drafted windows (one sample gave intervals of +-60%).
-SAMPLES_PER_CONTEXT = 8
 ARMS = ("kd_more", "ppow_cache", "ppow_t1", "on_policy", "ppow_dense")
 
 

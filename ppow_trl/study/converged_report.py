@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .converged import SAMPLES_PER_CONTEXT
-from .evaluate import bootstrap_interval, paired_ratio_interval, ratio_of_sums
+from .evaluate import SAMPLES_PER_CONTEXT, bootstrap_interval, paired_ratio_interval, ratio_of_sums
 
 BASELINE = "kd_more"
 START = "converged"
