@@ -37,9 +37,26 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     `PPOW_TRL_CACHE` environment variable.
     """
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / SMOLLM2_CACHE_NAME
-    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+    if _converted(folder):
         return folder
-    gguf = smollm2_gguf_path()
+    from filelock import FileLock
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes (`accelerate launch` with 2 processes on a fresh machine) ask for the folder at once: one
+    # converts, the others wait for it and then read its result.
+    with FileLock(str(folder) + ".lock"):
+        if not _converted(folder):
+            _convert(smollm2_gguf_path(), folder)
+    return folder
+
+
+def _converted(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished conversion (config, weights and tokenizer)."""
+    return all((folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer_config.json"))
+
+
+def _convert(gguf: Path, folder: Path) -> None:
+    """Dequantize the GGUF to fp32 and save model and tokenizer to ``folder`` (written to a temporary folder first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.warning("Converting %s to %s once (about a minute on a CPU).", gguf.name, folder)
@@ -55,4 +72,3 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)  # atomic: an interrupted conversion never leaves a half-written cache
-    return folder

@@ -28,14 +28,59 @@ def test_cache_location_is_overridable(monkeypatch, tmp_path):
 def test_converted_cache_is_reused_without_reconverting(monkeypatch, tmp_path):
     folder = tmp_path / "smol"
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
-    (folder / "tokenizer_config.json").write_text("{}")
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        (folder / name).write_text("{}")
 
     def fail(*args, **kwargs):
         raise AssertionError("must not convert again")
 
     monkeypatch.setattr(offline, "smollm2_gguf_path", fail)
     assert offline.smollm2_path(folder) == folder
+
+
+def _slow_fake_conversion(gguf, folder):
+    """Stands in for the GGUF conversion: slow, writes through the same temporary-folder path, counts itself."""
+    import time
+
+    with open(folder.parent / "conversions.log", "a") as log:
+        log.write("converted\n")
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir()
+    time.sleep(1.0)
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        (tmp / name).write_text("{}")
+    tmp.rename(folder)
+
+
+def _first_use(folder):
+    offline._convert = _slow_fake_conversion
+    offline.smollm2_gguf_path = lambda: folder.parent / "model.gguf"
+    return offline.smollm2_path(folder)
+
+
+def test_processes_asking_at_once_convert_once_and_all_get_the_folder(tmp_path):
+    """`accelerate launch` with 2 processes on a fresh machine: both ask for the converted target at the same time.
+    Without the lock each removed the other's temporary folder and the job failed before it started."""
+    import multiprocessing
+
+    folder = tmp_path / "smol"
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        folders = pool.map(_first_use, [folder] * 3)
+    assert folders == [folder] * 3
+    assert (tmp_path / "conversions.log").read_text().count("converted") == 1
+    assert offline._converted(folder)
+
+
+def test_a_folder_without_weights_is_converted_again(monkeypatch, tmp_path):
+    folder = tmp_path / "smol"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")  # an older cache, or one whose weights were deleted
+    calls = []
+    monkeypatch.setattr(offline, "_convert", lambda gguf, out: calls.append(out))
+    monkeypatch.setattr(offline, "smollm2_gguf_path", lambda: tmp_path / "model.gguf")
+    offline.smollm2_path(folder)
+    assert calls == [folder]
 
 
 @pytest.mark.slow
