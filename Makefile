@@ -5,7 +5,7 @@ PIP ?= $(PYTHON) -m pip
 # `make setup TORCH_SPEC=` (empty) so that pip keeps it.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup interop demo test test-fast notebooks
+.PHONY: setup interop llama-cpp demo test test-fast notebooks
 
 setup:
 	$(if $(TORCH_SPEC),$(PIP) install -q "$(TORCH_SPEC)")
@@ -21,6 +21,13 @@ setup:
 interop:
 	$(PIP) install -q --no-deps speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
 	$(PIP) install -q openai loguru
+	$(MAKE) --no-print-directory llama-cpp
+
+# llama.cpp's Python bindings (tests/test_llama_cpp.py, benchmarks/llama_cpp.py): a source distribution that builds
+# llama.cpp with the machine's cmake and gcc, for this CPU (about 6 min on 2 cores the first time; pip keeps the
+# wheel). The multimodal library is not needed.
+llama-cpp:
+	CMAKE_ARGS="$(CMAKE_ARGS) -DLLAVA_BUILD=OFF" $(PIP) install -q llama-cpp-python==0.3.36
 
 demo: setup
 	$(PYTHON) -m ppow_trl.demo

@@ -34,7 +34,7 @@ CORPUS = [
 PROMPTS = ["the quick brown", "<|im_start|>user a drafter<|im_end|>", "speculative decoding 12"]
 
 
-def make_bpe_tokenizer(vocab_size: int = 320):
+def make_bpe_tokenizer(vocab_size: int = 320, corpus=CORPUS):
     """A byte-level BPE fast tokenizer (GPT-2 style, like SmolLM2's) trained in memory on a few sentences."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -44,7 +44,7 @@ def make_bpe_tokenizer(vocab_size: int = 320):
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=SPECIALS, show_progress=False)
-    backend.train_from_iterator(CORPUS * 10, trainer)
+    backend.train_from_iterator(list(corpus) * 10, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    unk_token="<|endoftext|>", pad_token="<|im_end|>")
 

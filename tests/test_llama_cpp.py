@@ -1,0 +1,237 @@
+"""Our GGUF drafters in llama.cpp itself (through llama-cpp-python), the real consumer of ``export_gguf``'s files:
+llama.cpp reads them with our logits and greedy text, tokenizes with the vocabulary we wrote as the target's
+tokenizer does, accepts them as draft models of their target by its own compatibility test, and speculative
+decoding through ``LlamaCppDrafter`` gives the target's greedy text with the rounds (window lengths, accepted
+lengths, guard decisions) of our own loop. Skipped without llama-cpp-python (``make llama-cpp``)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_llama
+from test_gguf_export import PROMPTS, make_bpe_tokenizer
+
+from ppow_trl.generation import speculative_generate
+from ppow_trl.gguf_export import export_gguf
+from ppow_trl.llama_cpp_draft import (
+    LLAMA_CPP_INSTALL,
+    LlamaCppDrafter,
+    common_prefix_length,
+    load_llama,
+    mean_accepted_length,
+    pairing_problems,
+    quantize_gguf,
+    require_llama_cpp,
+)
+from ppow_trl.models import truncate_model
+from ppow_trl.windowing import AdaptiveWindowPolicy
+
+llama_cpp = pytest.importorskip("llama_cpp", reason=f"llama-cpp-python is not installed: {LLAMA_CPP_INSTALL}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_bpe_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def models(tokenizer):
+    """A 4-layer target and its 2-layer truncation as drafter (they agree often enough for real windows)."""
+    target = make_tiny_llama(vocab_size=len(tokenizer), num_layers=4, seed=0, initializer_range=0.5).eval()
+    return target, truncate_model(target, 2).eval()
+
+
+@pytest.fixture(scope="module")
+def files(models, tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    target, drafter = models
+    return export_gguf(target, folder / "target.gguf", tokenizer), export_gguf(drafter, folder / "drafter.gguf", tokenizer)
+
+
+def _f32(path, **kwargs):
+    """llama.cpp with an f32 KV cache: an f32 model then computes our logits to fp32 rounding."""
+    return load_llama(path, kv_cache_type="f32", **kwargs)
+
+
+def _ids(tokenizer, text):
+    return tokenizer(text).input_ids
+
+
+def _teacher_forced_logits(llama, ids) -> np.ndarray:
+    llama.reset()
+    llama.eval(ids)
+    return np.array(llama.scores[: len(ids)])
+
+
+def _llama_greedy(llama, ids, new_tokens: int) -> list[int]:
+    """``new_tokens`` greedy tokens from llama-cpp-python's own generation loop (speculative when the Llama has a
+    draft model)."""
+    out = []
+    for token in llama.generate(ids, temp=0.0, top_k=1, reset=True):
+        out.append(int(token))
+        if len(out) == new_tokens:
+            return out
+    return out
+
+
+def _hf_greedy(model, ids, new_tokens: int) -> list[int]:
+    """Greedy tokens from transformers, not stopped at EOS (llama-cpp-python's ``generate`` does not stop there)."""
+    sequence = list(ids)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+    return sequence[len(ids):]
+
+
+def test_missing_bindings_name_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(ImportError, match="pip install llama-cpp-python==0.3.36"):
+        require_llama_cpp()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_cpp_reads_the_export_with_our_logits_and_greedy_text(tokenizer, tmp_path, tied):
+    drafter = make_tiny_llama(vocab_size=len(tokenizer), num_layers=2, seed=1, initializer_range=0.5,
+                              tie_word_embeddings=tied).eval()
+    llama = _f32(export_gguf(drafter, tmp_path / "d.gguf", tokenizer), logits_all=True)
+    for text in PROMPTS:
+        ids = _ids(tokenizer, text)
+        with torch.no_grad():
+            ours = drafter(torch.tensor([ids])).logits[0].numpy()
+        np.testing.assert_allclose(_teacher_forced_logits(llama, ids), ours, atol=1e-4, rtol=1e-4)
+        assert _llama_greedy(llama, ids, 12) == _hf_greedy(drafter, ids, 12)
+    llama.close()
+
+
+def test_llama_cpp_tokenizes_with_the_vocabulary_we_wrote_as_the_tokenizer_does(files, tokenizer):
+    llama = load_llama(files[1])
+    for text in PROMPTS + ["numbers like 12, words like drafting; the lazy dog <|im_end|>"]:
+        assert llama.tokenize(text.encode(), add_bos=False, special=True) == _ids(tokenizer, text), text
+    llama.close()
+
+
+def test_pairing_check_accepts_the_targets_vocabulary_and_refuses_others(models, files, tokenizer, tmp_path):
+    target_file, drafter_file = files
+    target = load_llama(target_file)
+    assert pairing_problems(target, load_llama(drafter_file)) == []
+    no_vocab = export_gguf(models[1], tmp_path / "no_vocab.gguf", None)
+    assert "vocabulary type" in pairing_problems(target, load_llama(no_vocab))[0]
+    other = make_bpe_tokenizer(corpus=["another corpus entirely, with other merges", "zebras quietly vexing jumpy"])
+    small = make_tiny_llama(vocab_size=len(other), num_layers=1, seed=3)
+    problems = pairing_problems(target, load_llama(export_gguf(small, tmp_path / "other.gguf", other)))
+    assert problems and "token" in problems[0]
+    with pytest.raises(ValueError, match="llama.cpp would refuse .*vocabulary type"):
+        LlamaCppDrafter(no_vocab, target=target)
+    target.close()
+
+
+@pytest.mark.parametrize("policy", [AdaptiveWindowPolicy(max_window=3), AdaptiveWindowPolicy(max_window=4, threshold=0.6)],
+                         ids=["fixed K=3", "adaptive K=4 h=0.6"])
+def test_speculative_decoding_in_llama_cpp_is_the_targets_text_with_our_rounds(models, files, tokenizer, policy):
+    target, drafter = models
+    target_file, drafter_file = files
+    plain = _f32(target_file)
+    draft = LlamaCppDrafter(drafter_file, policy, target=plain, kv_cache_type="f32")
+    speculative = _f32(target_file, draft_model=draft)
+    new_tokens = 24
+    for text in PROMPTS:
+        ids = _ids(tokenizer, text)
+        draft.reset_stats()
+        tokens = _llama_greedy(speculative, ids, new_tokens)
+        assert tokens == _llama_greedy(plain, ids, new_tokens) == _hf_greedy(target, ids, new_tokens)
+        # llama-cpp-python samples the first token from the prompt's forward and drafts from the second on: its
+        # rounds are those of our loop started after the prompt and that token (run longer, so that no window of
+        # ours is cut by the token budget). It stops consuming mid-round at new_tokens: the rounds it scored are
+        # ours, in order.
+        ours = speculative_generate(target, drafter, torch.tensor([ids + tokens[:1]]), policy=policy,
+                                    max_new_tokens=new_tokens + 8, eos_token_id=[])
+        assert ours.new_tokens[: new_tokens - 1] == tokens[1:]
+        assert sum(accepted + 1 for _, accepted in draft.rounds) >= new_tokens - 1 - policy.max_window
+        assert draft.rounds == list(zip(ours.drafted_per_round, ours.accepted_per_round))[: len(draft.rounds)]
+    assert mean_accepted_length(draft.rounds) > 1.0  # the truncation agrees with its target often
+    plain.close()
+
+
+def test_the_online_guard_pauses_drafting_in_llama_cpp_as_in_our_loop(models, files, tokenizer):
+    target, drafter = models
+    # A break-even above any reachable A + 1: the guard pauses after every 2 drafting rounds and probes again.
+    policy = AdaptiveWindowPolicy(max_window=2, guard={"break_even_tokens": 5.0, "window": 2, "probe_every": 3})
+    draft = LlamaCppDrafter(files[1], policy, kv_cache_type="f32")
+    speculative = _f32(files[0], draft_model=draft)
+    ids = _ids(tokenizer, PROMPTS[0])
+    draft.reset_stats()
+    tokens = _llama_greedy(speculative, ids, 30)
+    ours = speculative_generate(target, drafter, torch.tensor([ids + tokens[:1]]), policy=policy, max_new_tokens=40,
+                                eos_token_id=[])  # llama-cpp-python drafts from the second token on
+    assert tokens[1:] == ours.new_tokens[:29]
+    decisions = draft.guard.decisions
+    assert False in decisions and len(decisions) >= 12 and decisions == ours.guard_decisions[: len(decisions)]
+
+
+def test_quantized_drafter_stays_close_and_still_pairs(models, files, tokenizer, tmp_path):
+    q8 = quantize_gguf(files[1], tmp_path / "drafter-q8_0.gguf", "q8_0")
+    assert q8.stat().st_size < 0.5 * files[1].stat().st_size
+    ids = _ids(tokenizer, PROMPTS[1])
+    with torch.no_grad():
+        ours = models[1](torch.tensor([ids])).logits[0].numpy()
+    quantized = _teacher_forced_logits(load_llama(q8, logits_all=True), ids)
+    # A random tiny model with large weights (initializer_range 0.5) amplifies 8-bit rounding: measured 7% of the
+    # mean |logit| and 7 of 8 argmaxes; an unrelated model would be ~100%.
+    assert np.abs(quantized - ours).mean() < 0.15 * np.abs(ours).mean()
+    assert (quantized.argmax(-1) == ours.argmax(-1)).mean() >= 0.75
+    assert pairing_problems(load_llama(files[0]), load_llama(q8)) == []
+    with pytest.raises(ValueError, match="file_type"):
+        quantize_gguf(files[1], tmp_path / "x.gguf", "q2_k")
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0 and common_prefix_length([7], [8]) == 0
+
+
+# -- the offline SmolLM2 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_drafter_in_llama_cpp_next_to_the_shipped_q4_1_target(tmp_path):
+    from transformers import AutoTokenizer
+
+    from ppow_trl.drafting import get_family
+    from ppow_trl.models import load_target
+    from ppow_trl.offline import smollm2_gguf_path, smollm2_path
+
+    path = smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    target = load_target(path).eval()
+    drafter = get_family("standalone").build(target, tokenizer, num_layers=2).eval()
+    # Written from the Hugging Face tokenizer (not copied from the target's GGUF): llama.cpp must read our BPE
+    # vocabulary as the tokenizer, and accept it next to the llama.cpp-converted target.
+    drafter_file = export_gguf(drafter, tmp_path / "drafter.gguf", tokenizer)
+    shipped = load_llama(smollm2_gguf_path())
+    assert pairing_problems(shipped, load_llama(drafter_file)) == []
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, tokenize=False),
+             "def fibonacci(n):\n\treturn n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # 🦙 Ünïcode '' 3.14"]
+    drafter_llama = _f32(drafter_file, logits_all=True)
+    for text in texts:
+        ids = tokenizer(text).input_ids
+        assert drafter_llama.tokenize(text.encode(), add_bos=False, special=True) == ids
+        with torch.no_grad():
+            ours = drafter(torch.tensor([ids])).logits[0].numpy()
+        theirs = _teacher_forced_logits(drafter_llama, ids)
+        assert np.abs(theirs - ours).max() < 1e-3 * np.abs(ours).max()
+        assert _llama_greedy(drafter_llama, ids, 12) == _hf_greedy(drafter, ids, 12)
+    # The fp32 target exported the same way decodes in llama.cpp as in transformers, and speculative decoding with
+    # the drafter gives its text (the shipped Q4_1 target is not batch-invariant in llama.cpp: see BENCHMARKS.md).
+    target_file = export_gguf(target, tmp_path / "target.gguf", smollm2_gguf_path())
+    plain = _f32(target_file)
+    speculative = _f32(target_file, draft_model=LlamaCppDrafter(drafter_file, max_window=3, target=plain,
+                                                                kv_cache_type="f32"))
+    ids = tokenizer(texts[0]).input_ids
+    tokens = _llama_greedy(plain, ids, 8)
+    assert tokenizer.decode(tokens).startswith("The capital of France is Paris")
+    assert _llama_greedy(speculative, ids, 8) == tokens == _hf_greedy(target, ids, 8)
