@@ -147,9 +147,9 @@ def batch_invariance(path, ids, continuation, threads: int) -> float:
 
 def run_cli(cli_dir: Path, files: dict, prompt: str, max_new_tokens: int, window: int, threads: int) -> dict:
     """llama.cpp's ``llama-speculative-simple`` with the target and our q8_0 drafter; its statistics."""
-    command = [str(cli_dir / "llama-speculative-simple"), "-m", str(files["target"]), "-md", str(files["drafter_q8_0"]),
-               "-p", prompt, "-n", str(max_new_tokens), "--draft-max", str(window), "--draft-min", "0",
-               "--temp", "0", "-t", str(threads), "-td", str(threads), "-c", "2048", "--seed", "0", "-no-cnv"]
+    command = [str(cli_dir / "llama-speculative-simple"), "-m", str(files["target"]), "-md", str(files["drafter_q8_0"]), "--spec-type", "draft-simple",
+               "-p", prompt, "-n", str(max_new_tokens), "--spec-draft-n-max", str(window), "--spec-draft-n-min", "0",
+               "--temp", "0", "-t", str(threads), "-td", str(threads), "-c", "2048", "--seed", "0"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     stats = {key: float(value) for key, value in re.findall(r"(n_drafted|n_accept|n_predict)\s*=\s*([\d.]+)", log)}
@@ -196,9 +196,10 @@ def main(argv=None) -> int:
         files["drafter_f32"] = export_gguf(drafter, work / "drafter-f32.gguf", smollm2_gguf_path(),
                                            expand_reduced_head=reduced)
         if reduced:
-            contexts = torch.tensor([prompts[0][:64]])
-            drafter_info["expanded_head_agreement"] = expanded_head_agreement(drafter, contexts)
-        drafter_info["layers"] = drafter.config.num_hidden_layers
+            # Where the f32 file's greedy proposal is the drafter's own (its best draft logit above the zeros).
+            drafter_info["expanded_head_agreement"] = statistics.mean(
+                expanded_head_agreement(drafter, torch.tensor([ids])) for ids in prompts)
+        drafter_info["layers"] = drafter.config.get_text_config().num_hidden_layers
     files["drafter_q8_0"] = quantize_gguf(files["drafter_f32"], work / "drafter-q8_0.gguf", "q8_0")
     plain = load_llama(files["target"], n_threads=args.threads)
     drafter_info["pairing_problems"] = {name: pairing_problems(plain, load_llama(path)) for name, path in files.items()
@@ -273,11 +274,12 @@ def summarize(per_prompt: dict) -> dict:
     """Per arm: decoding ms per token after the first (the prompt's forward excluded; median over prompts), the
     per-prompt ratio of the plain llama.cpp arm's to it (>1: faster than llama.cpp alone; median and bootstrap 95%
     interval), tau, and how many texts equal the plain llama.cpp text."""
-    base = [decode_ms_per_token(r) for r in per_prompt[BASELINE]]
+    base = per_prompt[BASELINE]
+    base_ms = [decode_ms_per_token(r) for r in base]
     summary = {}
     for name, records in per_prompt.items():
         ms_per_token = [decode_ms_per_token(r) for r in records]
-        ratios = [b / m for b, m in zip(base, ms_per_token)]
+        ratios = [b / m for b, m in zip(base_ms, ms_per_token)]
         rounds = [pair for r in records for pair in r.get("rounds", [])]
         same = [r["tokens"] == b["tokens"] for r, b in zip(records, base)]
         summary[name] = {"decode_ms_per_token_median": statistics.median(ms_per_token),
