@@ -163,6 +163,52 @@ def run_cli(cli_dir: Path, files: dict, prompt: str, max_new_tokens: int, window
     return result
 
 
+def run_server(cli_dir: Path, files: dict, prompt: str, max_new_tokens: int, window: int, threads: int,
+               port: int = 8089) -> dict:
+    """llama.cpp's ``llama-server`` with the target and our q8_0 drafter: one greedy ``/completion`` request, and
+    the drafting statistics the server reports (``timings.draft_n`` / ``draft_n_accepted``)."""
+    import urllib.request
+
+    command = [str(cli_dir / "llama-server"), "-m", str(files["target"]), "-md", str(files["drafter_q8_0"]),
+               "--spec-type", "draft-simple", "--spec-draft-n-max", str(window), "--spec-draft-n-min", "0",
+               "-t", str(threads), "-td", str(threads), "-c", "2048", "--port", str(port), "--host", "127.0.0.1"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(120):  # wait for the model to load
+            try:
+                if json.loads(urllib.request.urlopen(f"{url}/health", timeout=1).read()).get("status") == "ok":
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        request = urllib.request.Request(f"{url}/completion", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"prompt": prompt, "n_predict": max_new_tokens,
+                                                          "temperature": 0, "cache_prompt": False}).encode())
+        reply = json.loads(urllib.request.urlopen(request, timeout=600).read())
+        timings = reply.get("timings", {})
+        return {"command": " ".join(command), "content_start": reply.get("content", "")[:80],
+                **{key: timings[key] for key in ("predicted_n", "predicted_per_token_ms", "draft_n",
+                                                 "draft_n_accepted") if key in timings}}
+    except OSError as error:
+        return {"command": " ".join(command), "error": repr(error)}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def run_programs(args, files: dict, tokenizer) -> dict:
+    """llama.cpp's own programs on the first MT-bench prompt: ``llama-speculative-simple`` at each window, and
+    ``llama-server`` at K = 2 where it was built."""
+    prompt = tokenizer.apply_chat_template(load_prompts("mtbench", 1)[0]["messages"], add_generation_prompt=True,
+                                           tokenize=False)
+    results = {"llama_speculative_simple": {
+        str(k): run_cli(args.cli_dir, files, prompt, args.max_new_tokens, k, args.threads) for k in args.windows}}
+    if (args.cli_dir / "llama-server").is_file():
+        results["llama_server"] = run_server(args.cli_dir, files, prompt, args.max_new_tokens, 2, args.threads)
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafter", default="outputs/ppow-smollm2-offline/merged",
@@ -174,6 +220,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="forwards per cost-model entry")
     parser.add_argument("--cli-dir", type=Path, default=None, help="folder of llama.cpp's llama-speculative-simple")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the GGUF files are written (default: temp)")
+    parser.add_argument("--programs-only", action="store_true",
+                        help="only (re)run llama.cpp's programs (--cli-dir) and update them in an existing --out")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/llama_cpp_serving.json"))
     args = parser.parse_args(argv)
 
@@ -213,6 +261,15 @@ def main(argv=None) -> int:
         "threads": args.threads, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "drafter": drafter_info, "command": "python benchmarks/llama_cpp_serving.py " + " ".join(argv or sys.argv[1:])}
 
+    if args.programs_only:
+        if not args.cli_dir or not args.out.is_file():
+            parser.error("--programs-only needs --cli-dir and an existing --out to update")
+        results = json.loads(args.out.read_text())
+        results.update(run_programs(args, files, tokenizer))
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        print(json.dumps({k: results[k] for k in ("llama_speculative_simple", "llama_server") if k in results}, indent=1))
+        return 0
+
     print("cost model ...", flush=True)
     results["llama_cpp_cost_model"] = cost_model(files, prompts[0], max(args.windows) + 1, args.repeats, args.threads)
     results["llama_cpp_cost_model"]["transformers_fp32_t_t_ms"] = hf_forward_ms(target_hf, prompts[0], args.repeats)
@@ -242,10 +299,7 @@ def main(argv=None) -> int:
     results["batch_invariance_q4_1_max_abs_logit_diff"] = batch_invariance(
         files["target"], prompts[0], per_prompt[BASELINE][0]["tokens"][:24], args.threads)
     if args.cli_dir:
-        prompt_text = tokenizer.apply_chat_template(load_prompts("mtbench", 1)[0]["messages"], add_generation_prompt=True,
-                                                    tokenize=False)
-        results["llama_speculative_simple"] = {str(k): run_cli(args.cli_dir, files, prompt_text, args.max_new_tokens, k,
-                                                               args.threads) for k in args.windows}
+        results.update(run_programs(args, files, tokenizer))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps({name: {k: v for k, v in arm.items() if k != "per_prompt"} for name, arm in results["arms"].items()},
