@@ -13,8 +13,9 @@ Per arm: median ms per generated token and its ratio to `llama_cpp_q4_1` measure
 interval over prompts), tau (tokens per drafting round, mean A + 1), and whether the text equals the plain llama.cpp
 text. Also the llama.cpp cost model (target `t_v(L)/t_t` with the all-position logits verification needs, and
 `t_d/t_t` of each drafter file), the batch-vs-sequential logit difference of the Q4_1 target (why speculative text
-can differ from plain text in llama.cpp), and, with `--cli-dir`, llama.cpp's own `llama-speculative-simple` run with
-the target and our drafter (it refuses incompatible draft vocabularies), parsed from its log.
+can differ from plain text in llama.cpp), and, with `--cli-dir`, llama.cpp's own `llama-speculative-simple` and
+`llama-server` run with the target and our drafter (they refuse incompatible draft vocabularies), parsed from their
+log and reply; `--programs-only` reruns just those and updates the JSON.
 
     python benchmarks/llama_cpp_serving.py                                   # ~10 min on one core
     python benchmarks/llama_cpp_serving.py --cli-dir ~/.cache/ppow_trl/llama.cpp/build/bin
@@ -22,8 +23,8 @@ the target and our drafter (it refuses incompatible draft vocabularies), parsed 
 
 llama.cpp's programs are not part of llama-cpp-python; build them from its source distribution (the same llama.cpp):
 `pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36`, unpack, then
-`cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DLLAMA_CURL=OFF && cmake --build build -j 2 --target
-llama-speculative-simple`.
+`cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON &&
+cmake --build build -j 2 --target llama-speculative-simple llama-server` (about 12 min on 2 cores).
 """
 
 from __future__ import annotations

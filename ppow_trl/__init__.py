@@ -15,7 +15,7 @@ from .drafting import DrafterFamily, family_of, get_family, load_drafter, regist
 # Registers the `ppow_eagle3` model type too (EAGLE-3 heads reading the target's hidden states).
 from .eagle3 import Eagle3DrafterConfig, Eagle3DrafterForCausalLM
 from .generation import exact_greedy_tau, speculative_generate
-# llama.cpp's layout for standalone Llama drafters (CPU serving: llama-speculative / llama-server --model-draft).
+# llama.cpp's layout for standalone Llama drafters (CPU serving in llama.cpp; ppow_trl.llama_cpp_draft).
 from .gguf_export import export_gguf
 from .kd_trainer import KDConfig, KDTrainer
 from .models import OFFLINE_TARGET, build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter

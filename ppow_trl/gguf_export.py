@@ -1,4 +1,5 @@
-"""GGUF export of standalone drafters, for llama.cpp on CPUs (``llama-speculative -md``, ``llama-server --model-draft``).
+"""GGUF export of standalone drafters, for llama.cpp on CPUs (``llama-speculative-simple`` / ``llama-server``
+``-md drafter.gguf --spec-type draft-simple``; ``ppow_trl.llama_cpp_draft`` from Python).
 
 ``export_gguf(drafter, "drafter.gguf", tokenizer)`` writes a Llama-architecture causal LM (a truncated target, a small
 LM of the target's tokenizer) as one ``.gguf`` file the way llama.cpp's ``convert_hf_to_gguf.py`` writes Llama models:

@@ -3,8 +3,8 @@
 ``export_gguf`` writes a standalone drafter as a ``.gguf`` file; llama.cpp is what CPU users serve GGUF models
 with. Two ways to pair it with a GGUF target:
 
-- llama.cpp's own programs: ``llama-speculative-simple -m target.gguf -md drafter.gguf`` or ``llama-server
-  --model-draft`` (fixed draft lengths, llama.cpp's sampling of the draft);
+- llama.cpp's own programs: ``llama-speculative-simple`` or ``llama-server`` with ``-m target.gguf -md drafter.gguf
+  --spec-type draft-simple --spec-draft-n-max K`` (fixed draft lengths, llama.cpp's own draft sampling);
 - Python, through llama-cpp-python's speculative hook ``Llama(target, draft_model=...)``: ``LlamaCppDrafter``
   below is that draft model. It runs the exported drafter in llama.cpp and drafts with this project's window rule
   (``AdaptiveWindowPolicy``: ``K``, ``h``, ``T_c`` and the online guard, read from the drafter's saved
