@@ -7,6 +7,7 @@ lengths, guard decisions) of our own loop. Skipped without llama-cpp-python (``m
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,3 +236,19 @@ def test_smollm2_drafter_in_llama_cpp_next_to_the_shipped_q4_1_target(tmp_path):
     tokens = _llama_greedy(plain, ids, 8)
     assert tokenizer.decode(tokens).startswith("The capital of France is Paris")
     assert _llama_greedy(speculative, ids, 8) == tokens == _hf_greedy(target, ids, 8)
+
+
+def test_the_window_rule_saved_next_to_the_file_is_the_one_used(files, tmp_path):
+    import shutil
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    gguf_file = Path(shutil.copy(files[1], folder / "drafter-f32.gguf"))
+    assert LlamaCppDrafter(gguf_file).policy == AdaptiveWindowPolicy(max_window=4)  # nothing saved: a fixed K = 4
+    saved = AdaptiveWindowPolicy(max_window=3, threshold=0.4, confidence_temperature=0.7)
+    saved.save_pretrained(folder)
+    assert LlamaCppDrafter(gguf_file).policy == saved
+    overridden = LlamaCppDrafter(gguf_file, max_window=1).policy
+    assert (overridden.max_window, overridden.threshold, overridden.confidence_temperature) == (1, 0.4, 0.7)
+    with pytest.raises(FileNotFoundError, match="export_gguf"):
+        LlamaCppDrafter(folder / "missing.gguf")
