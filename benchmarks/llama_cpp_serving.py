@@ -53,6 +53,7 @@ from ppow_trl.gguf_export import expanded_head_agreement, export_gguf
 from ppow_trl.llama_cpp_draft import LlamaCppDrafter, load_llama, mean_accepted_length, pairing_problems, quantize_gguf
 from ppow_trl.offline import smollm2_gguf_path, smollm2_path
 from ppow_trl.utils import set_cpu_threads
+from ppow_trl.windowing import AdaptiveWindowPolicy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from speedup import bootstrap_median  # noqa: E402
@@ -281,7 +282,8 @@ def main(argv=None) -> int:
     for window in args.windows:
         for kind in ("q8_0", "f32") if window == 2 else ("q8_0",):
             name = f"{BASELINE}+drafter[{kind},K={window}]"
-            drafters[name] = LlamaCppDrafter(files[f"drafter_{kind}"], max_window=window, n_threads=args.threads)
+            drafters[name] = LlamaCppDrafter(files[f"drafter_{kind}"], AdaptiveWindowPolicy(max_window=window),
+                                             n_threads=args.threads)
             llama = load_llama(files["target"], n_threads=args.threads, draft_model=drafters[name])
             arms[name] = (lambda llama: lambda ids: llama_greedy(llama, ids, args.max_new_tokens, eos))(llama)
     per_prompt = {name: [] for name in arms}

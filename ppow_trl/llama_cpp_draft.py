@@ -12,8 +12,10 @@ with. Two ways to pair it with a GGUF target:
 
 llama-cpp-python's loop verifies a window in one target forward of ``1 + L`` tokens and keeps the drafted tokens up
 to the first one that differs from the token it samples from the target itself, so its output is the target's own
-(greedy: token for token; sampled: the same distribution, the sample is the target's). Greedy drafts are the
-right proposals for that rule. ``pairing_problems`` repeats llama.cpp's own compatibility test of a target and a
+(greedy: token for token; sampled: the same distribution, the sample is the target's), up to llama.cpp's numerics:
+a quantized target's multi-token forward is not batch-invariant (Q4_1 SmolLM2: logits up to 0.93 apart from one-token
+decoding), so greedy text can part from plain llama.cpp text at near-ties; an f32 file with an f32 KV cache gives
+the plain text. Greedy drafts are the right proposals for that rule. ``pairing_problems`` repeats llama.cpp's own compatibility test of a target and a
 draft model (``common_speculative_are_compatible`` in ``common/speculative.cpp``; its programs refuse a pair that
 fails it), read through llama.cpp's parsing of both files; ``LlamaCppDrafter`` runs it when given the target.
 
@@ -24,6 +26,7 @@ llama-cpp-python is optional: ``pip install llama-cpp-python==0.3.36`` builds ll
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from pathlib import Path
 
@@ -32,6 +35,8 @@ import torch
 
 from .custom_generate.generate import keep_drafting, window_confidence
 from .windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
+
+logger = logging.getLogger(__name__)
 
 LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.36  (builds llama.cpp from source; `make llama-cpp`)"
 
@@ -109,8 +114,8 @@ def quantize_gguf(source: str | Path, destination: str | Path, file_type: str = 
     """Quantize a GGUF file with llama.cpp's own quantizer (``llama-quantize``'s ``llama_model_quantize``).
 
     On a CPU a drafter costs what its weights weigh: an f32 file of a 2-layer SmolLM2 truncation (its 49k x 576
-    head is most of it) reads 135 MB per token, more than the Q4_1 target's 76 MB. ``q8_0`` keeps its logits
-    close; rows whose width llama.cpp cannot block for a type fall back to ``q8_0``, as ``llama-quantize`` does.
+    head is most of it) is 135 MB, more than the 94 MB Q4_1 target. ``q8_0`` keeps its logits close. Tensors whose
+    width a type cannot block fall back as in ``llama-quantize`` (llama.cpp's ``tensor_type_fallback``).
     """
     llama_cpp = require_llama_cpp()
     if file_type not in LLAMA_CPP_FILE_TYPES:
@@ -152,38 +157,49 @@ class LlamaCppDrafter(_DraftBase):
 
     ``Llama(target.gguf, draft_model=LlamaCppDrafter("drafter.gguf"))``: at the start of every round llama-cpp-python
     passes the committed ids (prompt and every token kept so far); the drafter brings its KV cache up to them (it
-    keeps the longest common prefix with what it has evaluated, so a round costs one drafter forward per new
-    token), then proposes ``y_i = argmax z_i`` while ``prod_{j<=i} conf_j >= h`` and ``i < K`` (the first token is
+    keeps the longest common prefix with what it has evaluated: one batched forward of the new ids, at least one),
+    then proposes ``y_i = argmax z_i`` while ``prod_{j<=i} conf_j >= h`` and ``i < K`` (the first token is
     always proposed; ``conf = max softmax(z / T_c)``, the same functions as every other route). The online guard,
     when the policy has one, pauses drafting where it does not pay (a paused round returns no tokens: the target
     decodes one token plainly).
 
     Args:
         model_path: the drafter's ``.gguf`` file (``export_gguf``).
-        policy: the window rule; default: the ``ppow_window_policy.json`` saved next to the file, else a fixed
-            window of ``max_window`` tokens.
+        policy: the window rule; default: the ``ppow_window_policy.json`` saved next to the file (the recipe writes
+            it with ``--export_format gguf``), else a fixed window of ``max_window`` tokens (4 if not given, with a
+            warning). The rule is applied as given; its calibration (``K``, ``h``, the guard's break-even) was
+            measured for the route it was calibrated on, and llama.cpp's costs differ: pass ``max_window=`` /
+            ``threshold=`` for llama.cpp's own.
         max_window / threshold: override ``K`` / ``h`` of the policy.
         target: the target ``Llama``; when given, the pair is checked as llama.cpp's programs check it
             (``pairing_problems``) and refused with the reasons.
-        n_ctx / n_threads / kv_cache_type: of the drafter's llama.cpp context (``load_llama``).
+        n_ctx / n_threads / kv_cache_type: of the drafter's llama.cpp context (``load_llama``); ``n_ctx`` defaults to
+            the target's when it is given, else 2048. A window never runs past the drafter's context.
 
     ``rounds`` holds ``(L, A)`` per drafting round (window length, accepted length; ``A`` is learnt at the next
-    call, from the committed ids), for tau and acceptance figures; ``reset_stats()`` clears it.
+    call, from the committed ids), for tau and acceptance figures; ``reset_stats()`` clears it. A call whose ids do
+    not extend the last call's starts a new generation: the guard restarts and the last window is not scored.
 
     The exported file keeps the drafter's whole head. A reduced head written with ``expand_reduced_head=True`` gives
     logit 0 to ids outside its draft vocabulary; those zeros enter ``conf`` here (they were ``-inf`` in training).
     """
 
     def __init__(self, model_path, policy: AdaptiveWindowPolicy | None = None, *, max_window: int | None = None,
-                 threshold: float | None = None, target=None, n_ctx: int = 2048, n_threads: int | None = None,
+                 threshold: float | None = None, target=None, n_ctx: int | None = None, n_threads: int | None = None,
                  kv_cache_type: str = "f16"):
+        n_ctx = n_ctx or (target.n_ctx() if target is not None else 2048)
         self.llama = load_llama(model_path, n_ctx=n_ctx, n_threads=n_threads, kv_cache_type=kv_cache_type)
         if target is not None:
             problems = pairing_problems(target, self.llama)
             if problems:
                 raise ValueError(f"llama.cpp would refuse {model_path} as the draft model of this target: "
                                  + "; ".join(problems))
-        policy = policy or read_window_policy(model_path) or AdaptiveWindowPolicy(max_window=max_window or 4)
+        policy = policy or read_window_policy(model_path)
+        if policy is None:
+            if max_window is None:
+                logger.warning("No %s next to %s and no max_window: drafting a fixed window of 4 tokens.",
+                               WINDOW_POLICY_FILE, model_path)
+            policy = AdaptiveWindowPolicy(max_window=4 if max_window is None else max_window)
         if max_window is not None or threshold is not None:
             policy = policy.with_window(policy.max_window if max_window is None else max_window,
                                         policy.threshold if threshold is None else threshold)
@@ -192,21 +208,32 @@ class LlamaCppDrafter(_DraftBase):
         self.n_vocab = self.llama.n_vocab()
         self.rounds: list[tuple[int, int]] = []
         self._pending = None  # (committed length, drafted ids) of the last window, scored at the next call
+        self._committed = None  # the ids of the last call: a call that does not extend them is a new generation
 
     def reset_stats(self) -> None:
         """Forget the recorded rounds and restart the guard (a new generation)."""
-        self.rounds, self._pending = [], None
+        self.rounds = []
+        self._new_generation()
+
+    def _new_generation(self) -> None:
+        self._pending = self._committed = None
         if self.guard is not None:
             self.guard.reset()
 
     def __call__(self, input_ids, /, **kwargs) -> np.ndarray:
-        committed = np.asarray(input_ids, dtype=np.intc)
+        committed = np.array(input_ids, dtype=np.intc)  # a copy: llama-cpp-python passes a view of its buffer
+        previous = self._committed
+        if previous is not None and (len(committed) <= len(previous)
+                                     or common_prefix_length(previous, committed) < len(previous)):
+            self._new_generation()  # another prompt (or a restarted one): nothing carries over
+        self._committed = committed
         self._score_previous_window(committed)
-        if self.policy.max_window == 0 or (self.guard is not None and not self.guard.decide()):
+        room = self.llama.n_ctx() - len(committed)  # the window's tokens but the last are evaluated by the drafter
+        if self.policy.max_window == 0 or room < 1 or (self.guard is not None and not self.guard.decide()):
             return np.array([], dtype=np.intc)
         if self.guard is not None:
             self.guard.drafting_call(committed.tolist())
-        window = self._draft(committed)
+        window = self._draft(committed, max_window=min(self.policy.max_window, room))
         self._pending = (len(committed), window)
         if self.guard is not None:
             self.guard.drafted(len(committed), window)
@@ -217,14 +244,11 @@ class LlamaCppDrafter(_DraftBase):
         if self._pending is None:
             return
         start, window = self._pending
-        if len(committed) <= start or common_prefix_length(committed[:start], self.llama.input_ids[:start]) < start:
-            self._pending = None  # a new generation (another prompt): the window was never verified here
-            return
         self.rounds.append((len(window), common_prefix_length(window, committed[start:])))
         self._pending = None
 
-    def _draft(self, committed: np.ndarray) -> list[int]:
-        """Greedy tokens after ``committed`` under the window rule."""
+    def _draft(self, committed: np.ndarray, max_window: int) -> list[int]:
+        """Greedy tokens after ``committed`` under the window rule, at most ``max_window``."""
         llama = self.llama
         keep = min(common_prefix_length(llama.input_ids[: llama.n_tokens], committed), len(committed) - 1)
         llama.n_tokens = keep  # Llama.eval removes the KV entries from n_tokens on
@@ -234,7 +258,7 @@ class LlamaCppDrafter(_DraftBase):
             logits = torch.from_numpy(self._last_logits())
             window.append(int(logits.argmax()))
             running *= float(window_confidence(logits, self.policy.confidence_temperature))
-            if not keep_drafting(running, len(window), self.policy.max_window, self.policy.threshold):
+            if not keep_drafting(running, len(window), max_window, self.policy.threshold):
                 return window
             llama.eval([window[-1]])
 

@@ -52,9 +52,10 @@ def _slow_fake_conversion(gguf, folder):
     tmp.rename(folder)
 
 
-def _first_use(folder):
+def _first_use(folder, barrier):
     offline._convert = _slow_fake_conversion
     offline.smollm2_gguf_path = lambda: folder.parent / "model.gguf"
+    barrier.wait(timeout=120)  # all three ask at the same moment
     return offline.smollm2_path(folder)
 
 
@@ -64,8 +65,9 @@ def test_processes_asking_at_once_convert_once_and_all_get_the_folder(tmp_path):
     import multiprocessing
 
     folder = tmp_path / "smol"
-    with multiprocessing.get_context("spawn").Pool(3) as pool:
-        folders = pool.map(_first_use, [folder] * 3)
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, context.Pool(3) as pool:
+        folders = pool.starmap(_first_use, [(folder, manager.Barrier(3))] * 3)
     assert folders == [folder] * 3
     assert (tmp_path / "conversions.log").read_text().count("converted") == 1
     assert offline._converted(folder)

@@ -253,3 +253,36 @@ def test_gguf_export_of_a_reduced_head_fails_at_parse_time(tmp_path):
     args += ["--draft_vocab_size", "0"]
     script, _, _ = ppow_llama.make_parser().parse_args_and_config(args=args)
     assert script.export_format == "gguf"
+
+
+def test_gguf_export_carries_the_served_rule_for_llama_cpp(tmp_path):
+    """--export_format gguf on a full-vocabulary standalone drafter: the .gguf file, and the served window rule next to
+    it (what ``ppow_trl.llama_cpp_draft.LlamaCppDrafter`` reads)."""
+    from conftest import CHAT_TEMPLATE
+    from test_gguf_export import make_bpe_tokenizer
+
+    from ppow_trl.gguf_export import load_gguf_drafter
+
+    tokenizer = make_bpe_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    target_dir = tmp_path / "target"
+    make_tiny_llama(vocab_size=len(tokenizer), num_layers=2, seed=0, initializer_range=0.5).save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    args = [
+        "--target_model", str(target_dir), "--drafter_layers", "1", "--draft_vocab_size", "0", "--export_format", "gguf",
+        "--train_prompts", str(write_prompts(tmp_path / "train.jsonl", 6, 0)), "--num_train_prompts", "6",
+        "--max_new_tokens", "6", "--kd_steps", "1",
+        "--eval_prompts", str(write_prompts(tmp_path / "eval.jsonl", 1, 1)), "--num_eval_prompts", "1",
+        "--eval_max_new_tokens", "4", "--merge_adapter", "True", "--cache_dir", str(tmp_path / "cache"),
+        "--output_dir", str(tmp_path / "out"), "--max_window", "2", "--num_generations", "4",
+        "--per_device_train_batch_size", "8", "--max_steps", "1", "--report_to", "none", "--save_strategy", "no",
+        "--drafter_cost", "0.3", "--verify_cost", "1.0", "1.4", "1.6",
+        "--use_peft", "True", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj",
+    ]
+    script, training, model = ppow_llama.make_parser().parse_args_and_config(args=args)
+    ppow_llama.main(script, training, model)
+    folder = tmp_path / "out" / "standalone-gguf"
+    assert sorted(p.name for p in folder.iterdir()) == ["drafter-f32.gguf", "ppow_window_policy.json"]
+    assert json.loads((folder / "ppow_window_policy.json").read_text()) == json.loads(
+        (tmp_path / "out" / "ppow_window_policy.json").read_text())
+    assert load_gguf_drafter(folder / "drafter-f32.gguf").config.num_hidden_layers == 1
