@@ -24,7 +24,7 @@ interop:
 	$(MAKE) --no-print-directory llama-cpp
 
 # llama.cpp's Python bindings (tests/test_llama_cpp.py, benchmarks/llama_cpp_serving.py): a source distribution that builds
-# llama.cpp with the machine's cmake and gcc, for this CPU (about 6 min on 2 cores the first time; pip keeps the
+# llama.cpp with the machine's cmake and gcc, for this CPU (about 5 min on 2 cores the first time; pip keeps the
 # wheel). The multimodal library is not needed.
 llama-cpp:
 	CMAKE_ARGS="$(CMAKE_ARGS) -DLLAVA_BUILD=OFF" $(PIP) install -q llama-cpp-python==0.3.36

@@ -149,7 +149,8 @@ def batch_invariance(path, ids, continuation, threads: int) -> float:
 
 def run_cli(cli_dir: Path, files: dict, prompt: str, max_new_tokens: int, window: int, threads: int) -> dict:
     """llama.cpp's ``llama-speculative-simple`` with the target and our q8_0 drafter; its statistics."""
-    command = [str(cli_dir / "llama-speculative-simple"), "-m", str(files["target"]), "-md", str(files["drafter_q8_0"]), "--spec-type", "draft-simple",
+    command = [str(cli_dir / "llama-speculative-simple"), "-m", str(files["target"]), "-md", str(files["drafter_q8_0"]),
+               "--spec-type", "draft-simple",
                "-p", prompt, "-n", str(max_new_tokens), "--spec-draft-n-max", str(window), "--spec-draft-n-min", "0",
                "--temp", "0", "-t", str(threads), "-td", str(threads), "-c", "2048", "--seed", "0"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)

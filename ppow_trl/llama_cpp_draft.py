@@ -1,4 +1,5 @@
-"""Our GGUF drafters inside llama.cpp, through llama-cpp-python: the pairing check and a draft model with our window rule.
+"""Our GGUF drafters inside llama.cpp, through llama-cpp-python: the pairing check, and a draft model with our window
+rule.
 
 ``export_gguf`` writes a standalone drafter as a ``.gguf`` file; llama.cpp is what CPU users serve GGUF models
 with. Two ways to pair it with a GGUF target:
@@ -15,11 +16,13 @@ to the first one that differs from the token it samples from the target itself, 
 (greedy: token for token; sampled: the same distribution, the sample is the target's), up to llama.cpp's numerics:
 a quantized target's multi-token forward is not batch-invariant (Q4_1 SmolLM2: logits up to 0.93 apart from one-token
 decoding), so greedy text can part from plain llama.cpp text at near-ties; an f32 file with an f32 KV cache gives
-the plain text. Greedy drafts are the right proposals for that rule. ``pairing_problems`` repeats llama.cpp's own compatibility test of a target and a
-draft model (``common_speculative_are_compatible`` in ``common/speculative.cpp``; its programs refuse a pair that
-fails it), read through llama.cpp's parsing of both files; ``LlamaCppDrafter`` runs it when given the target.
+the plain text. Greedy drafts are the right proposals for that rule.
 
-llama-cpp-python is optional: ``pip install llama-cpp-python==0.3.36`` builds llama.cpp from source (about 6 min on
+``pairing_problems`` repeats llama.cpp's own compatibility test of a target and a draft model
+(``common_speculative_are_compatible`` in ``common/speculative.cpp``; its programs refuse a pair that fails it), read
+through llama.cpp's parsing of both files; ``LlamaCppDrafter`` runs it when given the target.
+
+llama-cpp-python is optional: ``pip install llama-cpp-python==0.3.36`` builds llama.cpp from source (about 5 min on
 2 CPU cores; ``make llama-cpp``).
 """
 
@@ -27,13 +30,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .custom_generate.generate import keep_drafting, window_confidence
+from .utils import default_cpu_threads
 from .windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
@@ -62,15 +65,15 @@ fp32 rounding of ours; with f16 they differ by ~5e-3 relative)."""
 
 def load_llama(model_path: str | Path, *, n_ctx: int = 2048, n_threads: int | None = None, logits_all: bool = False,
                kv_cache_type: str = "f16", **llama_kwargs):
-    """``llama_cpp.Llama`` on a GGUF file, quiet, on ``n_threads`` CPU threads (default: ``$PPOW_TRL_NUM_THREADS``,
-    else 1, as ``set_cpu_threads`` uses for torch), with a fixed seed and a ``kv_cache_type`` KV cache."""
+    """``llama_cpp.Llama`` on a GGUF file, quiet, on ``n_threads`` CPU threads (default: ``default_cpu_threads()``, as
+    for torch), with a fixed seed and a ``kv_cache_type`` KV cache."""
     llama_cpp = require_llama_cpp()
     path = Path(model_path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is not a GGUF file: export one with ppow_trl.export_gguf(drafter, path, ...).")
     if kv_cache_type not in KV_CACHE_TYPES:
         raise ValueError(f"kv_cache_type must be one of {sorted(KV_CACHE_TYPES)}, got {kv_cache_type!r}.")
-    threads = int(n_threads or os.environ.get("PPOW_TRL_NUM_THREADS", "1"))
+    threads = int(n_threads or default_cpu_threads())
     kv = KV_CACHE_TYPES[kv_cache_type]
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                            logits_all=logits_all, seed=0, verbose=False, type_k=kv, type_v=kv, **llama_kwargs)
@@ -205,6 +208,7 @@ class LlamaCppDrafter(_DraftBase):
                                         policy.threshold if threshold is None else threshold)
         self.policy = policy
         self.guard = policy.new_guard()
+        self._logits_ith = require_llama_cpp().llama_get_logits_ith  # read once per drafted token
         self.n_vocab = self.llama.n_vocab()
         self.rounds: list[tuple[int, int]] = []
         self._pending = None  # (committed length, drafted ids) of the last window, scored at the next call
@@ -264,8 +268,7 @@ class LlamaCppDrafter(_DraftBase):
 
     def _last_logits(self) -> np.ndarray:
         """The drafter's logits after the last evaluated token (a copy)."""
-        llama_cpp = require_llama_cpp()
-        pointer = llama_cpp.llama_get_logits_ith(self.llama.ctx, -1)
+        pointer = self._logits_ith(self.llama.ctx, -1)
         return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
 
 

@@ -59,10 +59,13 @@ def set_cpu_threads(num_threads: int | None = None) -> int:
     were erratic under load (tiny forwards 100-260 ms instead of 3-5 ms) and one thread was stable,
     see BENCHMARKS.md "Thread setting". GPU users are unaffected.
     """
-    if num_threads is None:
-        num_threads = int(os.environ.get("PPOW_TRL_NUM_THREADS", "1"))
-    torch.set_num_threads(num_threads)
+    torch.set_num_threads(default_cpu_threads() if num_threads is None else num_threads)
     return torch.get_num_threads()
+
+
+def default_cpu_threads() -> int:
+    """CPU threads of every runtime here (torch, llama.cpp): `$PPOW_TRL_NUM_THREADS`, else 1 (``set_cpu_threads``)."""
+    return int(os.environ.get("PPOW_TRL_NUM_THREADS", "1"))
 
 
 def unwrap_model(model):

@@ -39,12 +39,10 @@ def write_prompts(path, count, seed):
     return path
 
 
-def test_pipeline_runs_on_tiny_models(tmp_path):
-    target_dir = tmp_path / "target"
-    make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5).save_pretrained(target_dir)
-    make_tiny_tokenizer().save_pretrained(target_dir)
-    args = [
-        "--target_model", str(target_dir), "--drafter_layers", "1", "--draft_vocab_size", "40",
+def tiny_pipeline_args(tmp_path, target_dir) -> list[str]:
+    """The recipe's arguments for a short standalone run on a tiny target saved in ``target_dir``."""
+    return [
+        "--target_model", str(target_dir), "--drafter_layers", "1",
         "--train_prompts", str(write_prompts(tmp_path / "train.jsonl", 10, 0)), "--num_train_prompts", "10",
         "--max_new_tokens", "8", "--kd_steps", "2",
         "--eval_prompts", str(write_prompts(tmp_path / "eval.jsonl", 2, 1)), "--num_eval_prompts", "2",
@@ -54,6 +52,13 @@ def test_pipeline_runs_on_tiny_models(tmp_path):
         "--drafter_cost", "0.3", "--verify_cost", "1.0", "1.4", "1.6", "1.8",
         "--use_peft", "True", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj",
     ]
+
+
+def test_pipeline_runs_on_tiny_models(tmp_path):
+    target_dir = tmp_path / "target"
+    make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5).save_pretrained(target_dir)
+    make_tiny_tokenizer().save_pretrained(target_dir)
+    args = tiny_pipeline_args(tmp_path, target_dir) + ["--draft_vocab_size", "40"]
     script, training, model = ppow_llama.make_parser().parse_args_and_config(args=args)
     trainer = ppow_llama.main(script, training, model)
     out = tmp_path / "out"
@@ -268,17 +273,7 @@ def test_gguf_export_carries_the_served_rule_for_llama_cpp(tmp_path):
     target_dir = tmp_path / "target"
     make_tiny_llama(vocab_size=len(tokenizer), num_layers=2, seed=0, initializer_range=0.5).save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
-    args = [
-        "--target_model", str(target_dir), "--drafter_layers", "1", "--draft_vocab_size", "0", "--export_format", "gguf",
-        "--train_prompts", str(write_prompts(tmp_path / "train.jsonl", 6, 0)), "--num_train_prompts", "6",
-        "--max_new_tokens", "6", "--kd_steps", "1",
-        "--eval_prompts", str(write_prompts(tmp_path / "eval.jsonl", 1, 1)), "--num_eval_prompts", "1",
-        "--eval_max_new_tokens", "4", "--merge_adapter", "True", "--cache_dir", str(tmp_path / "cache"),
-        "--output_dir", str(tmp_path / "out"), "--max_window", "2", "--num_generations", "4",
-        "--per_device_train_batch_size", "8", "--max_steps", "1", "--report_to", "none", "--save_strategy", "no",
-        "--drafter_cost", "0.3", "--verify_cost", "1.0", "1.4", "1.6",
-        "--use_peft", "True", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj",
-    ]
+    args = tiny_pipeline_args(tmp_path, target_dir) + ["--draft_vocab_size", "0", "--export_format", "gguf"]
     script, training, model = ppow_llama.make_parser().parse_args_and_config(args=args)
     ppow_llama.main(script, training, model)
     folder = tmp_path / "out" / "standalone-gguf"
