@@ -8,15 +8,16 @@ load (~30-45 s here), so we convert once to a safetensors folder under `cache_ro
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
+from .build_once import build_once, is_complete
 from .utils import cache_root, package_folder
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "SmolLM2-135M-Instruct"
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
 
 
 def smollm2_gguf_path() -> Path:
@@ -35,40 +36,46 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     The folder holds the model and its tokenizer, so `AutoModelForCausalLM.from_pretrained(folder)`
     and `AutoTokenizer.from_pretrained(folder)` work. Override the location with `cache_dir` or the
     `PPOW_TRL_CACHE` environment variable.
+
+    Several processes may ask at once (`accelerate launch` with 2 processes on a fresh machine): the conversion is
+    a build-once folder (`ppow_trl.build_once`): one process per machine converts, atomically, the others wait,
+    and a conversion killed midway is redone. Under torch.distributed every process of the group must call this.
     """
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / SMOLLM2_CACHE_NAME
     if _converted(folder):
         return folder
-    from filelock import FileLock
-
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # Several processes (`accelerate launch` with 2 processes on a fresh machine) ask for the folder at once: one
-    # converts, the others wait for it and then read its result.
-    with FileLock(str(folder) + ".lock"):
-        if not _converted(folder):
-            _convert(smollm2_gguf_path(), folder)
-    return folder
+    return build_once(folder, lambda tmp: _convert(smollm2_gguf_path(), tmp), required=CONVERTED_FILES,
+                      what="offline SmolLM2 target")
 
 
 def _converted(folder: Path) -> bool:
-    """Whether ``folder`` holds a finished conversion (config, weights and tokenizer)."""
-    return all((folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer_config.json"))
+    """Whether ``folder`` holds a finished conversion (config, weights, tokenizer and the completion marker)."""
+    return is_complete(folder, CONVERTED_FILES)
 
 
-def _convert(gguf: Path, folder: Path) -> None:
-    """Dequantize the GGUF to fp32 and save model and tokenizer to ``folder`` (written to a temporary folder first)."""
+def _convert(gguf: Path, out: Path) -> None:
+    """Dequantize the GGUF to fp32 and write model and tokenizer into the (empty) folder ``out``.
+
+    The weights are written with safetensors, not ``save_pretrained``: transformers >= 5.25 writes a model's
+    weights and config only on torch.distributed rank 0, and the process that converts (one per machine) need not
+    be rank 0. The result is what ``save_pretrained`` writes for this model: ``config.json``,
+    ``generation_config.json``, ``model.safetensors`` (tied weights once) and the tokenizer files.
+    """
+    import torch
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.warning("Converting %s to %s once (about a minute on a CPU).", gguf.name, folder)
+    logger.warning("Converting %s to %s once (about a minute on a CPU).", gguf.name, out)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The dequantized model still says it is GGUF-quantized; save_pretrained refuses until we drop it.
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The dequantized model still says it is GGUF-quantized; drop it so that loading the folder reads plain fp32.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)  # atomic: an interrupted conversion never leaves a half-written cache
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = "float32"
+    model.config.to_json_file(out / "config.json")
+    if model.can_generate():
+        model.generation_config.to_json_file(out / "generation_config.json")
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)

@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from ppow_trl import offline
+from ppow_trl import build_once, offline
 from ppow_trl.utils import cache_root, package_folder
 
 
@@ -28,7 +28,7 @@ def test_cache_location_is_overridable(monkeypatch, tmp_path):
 def test_converted_cache_is_reused_without_reconverting(monkeypatch, tmp_path):
     folder = tmp_path / "smol"
     folder.mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json", build_once.MARKER):
         (folder / name).write_text("{}")
 
     def fail(*args, **kwargs):
@@ -38,18 +38,15 @@ def test_converted_cache_is_reused_without_reconverting(monkeypatch, tmp_path):
     assert offline.smollm2_path(folder) == folder
 
 
-def _slow_fake_conversion(gguf, folder):
-    """Stands in for the GGUF conversion: slow, writes through the same temporary-folder path, counts itself."""
+def _slow_fake_conversion(gguf, out):
+    """Stands in for the GGUF conversion: slow, writes into the folder it is given, counts itself."""
     import time
 
-    with open(folder.parent / "conversions.log", "a") as log:
+    with open(out.parent / "conversions.log", "a") as log:
         log.write("converted\n")
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir()
     time.sleep(1.0)
-    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
-        (tmp / name).write_text("{}")
-    tmp.rename(folder)
+    for name in offline.CONVERTED_FILES:
+        (out / name).write_text("{}")
 
 
 def _first_use(folder, barrier):
@@ -79,10 +76,17 @@ def test_a_folder_without_weights_is_converted_again(monkeypatch, tmp_path):
     (folder / "config.json").write_text("{}")
     (folder / "tokenizer_config.json").write_text("{}")  # an older cache, or one whose weights were deleted
     calls = []
-    monkeypatch.setattr(offline, "_convert", lambda gguf, out: calls.append(out))
+
+    def convert(gguf, out):
+        calls.append(out)
+        for name in offline.CONVERTED_FILES:
+            (out / name).write_text("{}")
+
+    monkeypatch.setattr(offline, "_convert", convert)
     monkeypatch.setattr(offline, "smollm2_gguf_path", lambda: tmp_path / "model.gguf")
-    offline.smollm2_path(folder)
-    assert calls == [folder]
+    assert offline.smollm2_path(folder) == folder
+    assert len(calls) == 1 and calls[0].name.startswith("smol.tmp-")  # built aside, then renamed into place
+    assert offline._converted(folder)
 
 
 @pytest.mark.slow
