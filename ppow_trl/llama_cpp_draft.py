@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from .custom_generate.generate import keep_drafting, window_confidence
+from .llama_cpp_build import amx_fault_expected, amx_fault_message
 from .utils import default_cpu_threads
 from .windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
 
@@ -75,8 +76,22 @@ def load_llama(model_path: str | Path, *, n_ctx: int = 2048, n_threads: int | No
         raise ValueError(f"kv_cache_type must be one of {sorted(KV_CACHE_TYPES)}, got {kv_cache_type!r}.")
     threads = int(n_threads or default_cpu_threads())
     kv = KV_CACHE_TYPES[kv_cache_type]
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                           logits_all=logits_all, seed=0, verbose=False, type_k=kv, type_v=kv, **llama_kwargs)
+    llama = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                            logits_all=logits_all, seed=0, verbose=False, type_k=kv, type_v=kv, **llama_kwargs)
+    if is_quantized(llama) and amx_fault_expected():
+        # A clear error now rather than a segmentation fault at the first evaluation (ppow_trl.llama_cpp_build).
+        raise RuntimeError(f"{path.name}: {amx_fault_message()}")
+    return llama
+
+
+# llama.cpp's general.file_type values whose matrices are not quantized: ALL_F32, MOSTLY_F16, MOSTLY_BF16.
+UNQUANTIZED_FILE_TYPES = {"0", "1", "32"}
+
+
+def is_quantized(llama) -> bool:
+    """Whether the loaded ``llama_cpp.Llama`` holds quantized matrices (its GGUF's ``general.file_type``)."""
+    file_type = (getattr(llama, "metadata", None) or {}).get("general.file_type")
+    return file_type is not None and str(file_type) not in UNQUANTIZED_FILE_TYPES
 
 
 def pairing_problems(target, drafter) -> list[str]:

@@ -28,6 +28,15 @@ from ppow_trl.llama_cpp_draft import (
     quantize_gguf,
     require_llama_cpp,
 )
+from ppow_trl.llama_cpp_build import (
+    amx_fault_expected,
+    amx_fault_message,
+    build_features,
+    cmake_args,
+    cpu_flags,
+    has_amx,
+    quantized_eval_probe,
+)
 from ppow_trl.models import truncate_model
 from ppow_trl.windowing import AdaptiveWindowPolicy
 
@@ -177,6 +186,8 @@ def test_the_online_guard_pauses_drafting_in_llama_cpp_as_in_our_loop(models, fi
 def test_quantized_drafter_stays_close_and_still_pairs(models, files, tokenizer, tmp_path):
     q8 = quantize_gguf(files[1], tmp_path / "drafter-q8_0.gguf", "q8_0")
     assert q8.stat().st_size < 0.5 * files[1].stat().st_size
+    crash = quantized_eval_probe(q8)  # in a child process: a faulty build fails this test, not the worker
+    assert crash is None, crash
     ids = _ids(tokenizer, PROMPTS[1])
     with torch.no_grad():
         ours = models[1](torch.tensor([ids])).logits[0].numpy()
@@ -188,6 +199,43 @@ def test_quantized_drafter_stays_close_and_still_pairs(models, files, tokenizer,
     assert pairing_problems(load_llama(files[0]), load_llama(q8)) == []
     with pytest.raises(ValueError, match="file_type"):
         quantize_gguf(files[1], tmp_path / "x.gguf", "q2_k")
+
+
+def test_quantized_models_evaluate_with_this_build_on_this_cpu():
+    """The shipped SmolLM2 Q4_1 file, evaluated by llama.cpp in a child process. On a CPU with AMX, llama.cpp's
+    native build crashed here (ppow_trl.llama_cpp_build); `make llama-cpp` builds without its AMX backend there."""
+    from ppow_trl.offline import smollm2_gguf_path
+
+    flags = cpu_flags()
+    assert not amx_fault_expected(flags), amx_fault_message(flags)
+    crash = quantized_eval_probe(smollm2_gguf_path())
+    assert crash is None, f"(CPU with AMX: {has_amx(flags)}; build: {build_features()}) {crash}"
+
+
+def test_amx_cpus_get_a_build_without_the_amx_backend():
+    sapphire_rapids = {"sse4_2", "avx", "f16c", "fma", "bmi2", "avx2", "avx_vnni", "avx512f", "avx512cd", "avx512vl",
+                       "avx512dq", "avx512bw", "avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
+                       "amx_bf16"}
+    args = cmake_args(sapphire_rapids)
+    assert "-DGGML_NATIVE=OFF" in args and {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(args)
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX2=ON",
+            "-DGGML_AVX_VNNI=ON"} <= set(args)
+    assert cmake_args(sapphire_rapids - {"amx_tile", "amx_int8", "amx_bf16"}) == []  # native everywhere else
+    no_avx512 = cmake_args({"avx", "avx2", "fma", "amx_tile"})
+    assert "-DGGML_AVX512=OFF" in no_avx512 and "-DGGML_AVX512_BF16=OFF" in no_avx512
+    assert amx_fault_expected(sapphire_rapids, {"AVX512": "1", "AMX_INT8": "1"})
+    assert not amx_fault_expected(sapphire_rapids, {"AVX512": "1"})  # built without AMX
+    assert not amx_fault_expected({"avx2"}, {"AMX_INT8": "1"})  # the CPU has no AMX: the backend stays unused
+
+
+def test_a_faulty_build_refuses_quantized_files_instead_of_crashing(files, tmp_path, monkeypatch):
+    import ppow_trl.llama_cpp_draft as draft_module
+
+    q8 = quantize_gguf(files[1], tmp_path / "drafter-q8_0.gguf", "q8_0")
+    monkeypatch.setattr(draft_module, "amx_fault_expected", lambda: True)
+    with pytest.raises(RuntimeError, match="make llama-cpp"):
+        load_llama(q8)
+    assert not draft_module.is_quantized(load_llama(files[1]))  # F32 and F16 files still load
 
 
 def test_common_prefix_length():

@@ -438,15 +438,17 @@ def test_export_names_a_verifier_speculators_can_resolve(verifier, family, tmp_p
 # SpecForge
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture
-def specforge(monkeypatch):
+def specforge():
     module = pytest.importorskip(
         "specforge.modeling.draft.llama3_eagle",
         reason="SpecForge is not installed: run `make interop` (pip install --no-deps specforge==0.2.0)")
     import specforge.utils
 
-    # its rotary embedding's forward is decorated with torch.compile: run it eagerly (no C++ build on the CPU)
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    return module.LlamaForCausalLMEagle3, specforge.utils.padding
+    # Its rotary embedding's forward is decorated with torch.compile: run it eagerly (no C++ build on the CPU).
+    # torch.compiler.set_stance is public and needs no attribute of the lazily imported torch._dynamo (patching
+    # torch._dynamo.config raised AttributeError when no earlier test had imported it).
+    with torch.compiler.set_stance("force_eager"):
+        yield module.LlamaForCausalLMEagle3, specforge.utils.padding
 
 
 def _specforge_ttt_logits(model, padding, ids, hidden, steps: int):
