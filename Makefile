@@ -2,7 +2,7 @@
 PYTHON ?= python
 PIP ?= $(PYTHON) -m pip
 # The CPU build of torch; GPU users: install the torch build for your CUDA first and run
-# `make setup TORCH_SPEC=` (empty) so that pip keeps it.
+# `make setup TORCH_SPEC= CONSTRAINTS=` (both empty) so that pip keeps it.
 TORCH_SPEC ?= torch==2.13.0
 # The versions the tests passed with (a lock file made by `make lock`); every install below is constrained to them,
 # so a fresh machine gets what the last green CI had, whatever was published since. `make setup CONSTRAINTS=`

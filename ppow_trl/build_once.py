@@ -16,11 +16,12 @@ cache, both ask for the same folder at the same moment, and it must be built onc
    waiting at a barrier forever.
 3. **Atomic.** The builder writes into a temporary folder private to its process, checks that every required file
    is there, writes the marker and renames the folder into place. A folder at its final name is never half-written.
-4. **Recovers from killed runs.** The lock is an ``fcntl`` lock (`filelock.FileLock` on Linux and macOS): the
-   kernel releases it when its holder dies, so a killed run leaves no stale lock behind, only a lock file that the
-   next caller takes. A folder at the final name without the marker (written by a run killed midway under an older
-   version, or emptied by hand) and the temporary folders of killed builders are removed, with a warning, and the
-   folder is built again.
+4. **Recovers from killed runs.** The lock is `filelock.FileLock`, an ``flock`` lock on Linux and macOS: the kernel
+   releases it when its holder dies, so a killed run leaves only a lock file that the next caller takes (on a file
+   system without ``flock``, filelock falls back to a lock file that a killed holder leaves behind: delete it).
+   A folder at the final name without a matching marker (a run killed midway under an older version, a folder
+   emptied by hand, other inputs: see ``key``) and the temporary folders of killed builders are removed, with a
+   warning, and the folder is built again.
 
 `build(tmp)` must write everything into ``tmp`` itself and must not depend on the process's rank: transformers >= 5.25
 writes ``save_pretrained`` weights only on torch.distributed rank 0 (`ppow_trl.offline` writes its weights with
@@ -47,27 +48,36 @@ LOCK_REPORT_SECONDS = 30.0
 MAIN_PROCESS_GRACE_SECONDS = 20.0
 
 
-def is_complete(folder: str | Path, required: Iterable[str] = ()) -> bool:
-    """Whether ``folder`` holds a finished build: its completion marker and every ``required`` file."""
+def is_complete(folder: str | Path, required: Iterable[str] = (), key: str | None = None) -> bool:
+    """Whether ``folder`` holds a finished build: every ``required`` file, and its completion marker, which names
+    ``key`` when one is given (a folder built from other inputs, or by another version, is not complete)."""
     folder = Path(folder)
-    return (folder / MARKER).is_file() and all((folder / name).is_file() for name in required)
+    if not all((folder / name).is_file() for name in required):
+        return False
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return key is None or marker.get("key") == key
 
 
 def build_once(folder: str | Path, build: Callable[[Path], None], *, required: Iterable[str] = (),
-               what: str | None = None) -> Path:
+               key: str | None = None, what: str | None = None) -> Path:
     """Return ``folder``, built by ``build(tmp)`` on one process per machine if it is not complete (module docstring).
 
     Args:
         folder: the final folder; its parent is created.
         build: writes the folder's content into the temporary folder it is given (which exists and is empty).
         required: file names (relative to the folder) that a complete build has; checked before the rename.
+        key: what the content depends on (input fingerprint, format version), kept in the marker; a folder whose
+            marker names another key is built again.
         what: a few words for messages (default: the folder's name).
 
     Raises:
         RuntimeError: the build finished without a required file (nothing is published; the message names them).
     """
     folder, required, what = Path(folder), tuple(required), what or Path(folder).name
-    if is_complete(folder, required):
+    if is_complete(folder, required, key):
         return folder
     if _distributed_group_size() > 1 and not _is_local_main_process():
         # Leave the build to this machine's local main process: wait for its folder. A barrier would hang when the
@@ -75,13 +85,14 @@ def build_once(folder: str | Path, build: Callable[[Path], None], *, required: I
         # ourselves, which waits while the main process builds and finds its folder complete afterwards.
         deadline = time.monotonic() + MAIN_PROCESS_GRACE_SECONDS
         while time.monotonic() < deadline:
-            if is_complete(folder, required):
+            if is_complete(folder, required, key):
                 return folder
             time.sleep(0.2)
-    return _build_locked(folder, build, required, what)
+    return _build_locked(folder, build, required, key, what)
 
 
-def _build_locked(folder: Path, build: Callable[[Path], None], required: tuple[str, ...], what: str) -> Path:
+def _build_locked(folder: Path, build: Callable[[Path], None], required: tuple[str, ...], key: str | None,
+                  what: str) -> Path:
     from filelock import FileLock, Timeout
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -92,9 +103,9 @@ def _build_locked(folder: Path, build: Callable[[Path], None], required: tuple[s
         logger.warning("%s: waiting for another process that builds %s (lock %s).", what, folder, lock.lock_file)
         lock.acquire()
     try:
-        if is_complete(folder, required):  # built by the process that held the lock before us
+        if is_complete(folder, required, key):  # built by the process that held the lock before us
             return folder
-        _remove_leftovers(folder, what)
+        _remove_leftovers(folder, required, what)
         tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         tmp.mkdir()
         try:
@@ -104,8 +115,8 @@ def _build_locked(folder: Path, build: Callable[[Path], None], required: tuple[s
             if missing:
                 raise RuntimeError(f"{what}: the build finished without {', '.join(missing)} in {tmp}; "
                                    "nothing was published.")
-            (tmp / MARKER).write_text(json.dumps({"what": what, "seconds": round(time.perf_counter() - started, 1),
-                                                  "required": list(required)}))
+            (tmp / MARKER).write_text(json.dumps({"what": what, "key": key, "required": list(required),
+                                                  "seconds": round(time.perf_counter() - started, 1)}))
             os.rename(tmp, folder)  # atomic within one file system: the final name only ever holds a finished build
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -115,11 +126,14 @@ def _build_locked(folder: Path, build: Callable[[Path], None], required: tuple[s
         lock.release()
 
 
-def _remove_leftovers(folder: Path, what: str) -> None:
-    """Under the lock: drop a half-written folder at the final name and the temporary folders of killed builders."""
+def _remove_leftovers(folder: Path, required: tuple[str, ...], what: str) -> None:
+    """Under the lock: drop an incomplete or outdated folder at the final name and the temporary folders of killed
+    builders."""
     if folder.exists():
-        logger.warning("%s: %s is incomplete (missing %s; a run killed midway or an older version?); rebuilding it.",
-                       what, folder, ", ".join(_missing(folder, ())))
+        missing = _missing(folder, required)
+        why = (f"missing {', '.join(missing)}: written by an older ppow_trl or a run killed midway" if missing
+               else "built from other inputs or by another version")
+        logger.warning("%s: %s is incomplete or outdated (%s); rebuilding it.", what, folder, why)
         shutil.rmtree(folder) if folder.is_dir() else folder.unlink()
     for leftover in folder.parent.glob(f"{folder.name}.tmp-*"):
         # Every builder holds the lock while its temporary folder exists, so these belong to dead processes.

@@ -89,9 +89,10 @@ UNQUANTIZED_FILE_TYPES = {"0", "1", "32"}
 
 
 def is_quantized(llama) -> bool:
-    """Whether the loaded ``llama_cpp.Llama`` holds quantized matrices (its GGUF's ``general.file_type``)."""
+    """Whether the loaded ``llama_cpp.Llama`` may hold quantized matrices: its GGUF's ``general.file_type`` is not
+    F32, F16 or BF16 (a file that does not say is taken as quantized)."""
     file_type = (getattr(llama, "metadata", None) or {}).get("general.file_type")
-    return file_type is not None and str(file_type) not in UNQUANTIZED_FILE_TYPES
+    return file_type is None or str(file_type) not in UNQUANTIZED_FILE_TYPES
 
 
 def pairing_problems(target, drafter) -> list[str]:

@@ -42,15 +42,23 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     and a conversion killed midway is redone. Under torch.distributed every process of the group must call this.
     """
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / SMOLLM2_CACHE_NAME
-    if _converted(folder):
-        return folder
-    return build_once(folder, lambda tmp: _convert(smollm2_gguf_path(), tmp), required=CONVERTED_FILES,
+    gguf = smollm2_gguf_path()
+    return build_once(folder, lambda tmp: _convert(gguf, tmp), required=CONVERTED_FILES, key=_source_key(gguf),
                       what="offline SmolLM2 target")
 
 
 def _converted(folder: Path) -> bool:
-    """Whether ``folder`` holds a finished conversion (config, weights, tokenizer and the completion marker)."""
-    return is_complete(folder, CONVERTED_FILES)
+    """Whether ``folder`` holds a finished conversion of the installed GGUF (config, weights, tokenizer, marker)."""
+    return is_complete(folder, CONVERTED_FILES, key=_source_key(smollm2_gguf_path()))
+
+
+# Bump when _convert writes something else for the same GGUF, so that converted caches are rebuilt.
+CONVERSION_VERSION = 2
+
+
+def _source_key(gguf: Path) -> str:
+    """What the converted folder depends on: the GGUF (name, size) and the conversion's version."""
+    return f"{gguf.name}:{gguf.stat().st_size}:v{CONVERSION_VERSION}"
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -62,7 +70,7 @@ def _convert(gguf: Path, out: Path) -> None:
     ``generation_config.json``, ``model.safetensors`` (tied weights once) and the tokenizer files.
     """
     import torch
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.warning("Converting %s to %s once (about a minute on a CPU).", gguf.name, out)
@@ -77,5 +85,10 @@ def _convert(gguf: Path, out: Path) -> None:
     model.config.to_json_file(out / "config.json")
     if model.can_generate():
         model.generation_config.to_json_file(out / "generation_config.json")
-    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # The tensors save_pretrained writes: a tied lm_head is the input embedding, stored once as model.embed_tokens
+    # (loaders such as vLLM's skip lm_head.* for tied models and read the embedding).
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)

@@ -51,6 +51,5 @@ def test_docs_state_the_tested_versions():
     table = dict(re.findall(r"^\| ([a-z][a-z0-9-]*) \| ([0-9][0-9.]*)", (REPO / "docs" / "install.md").read_text(),
                             re.MULTILINE))
     pins = _pins()
-    pins["llama-cpp-python"] = pins.get("llama-cpp-python", "")
     assert {"torch", "transformers", "trl", "peft", "accelerate", "datasets", "llama-cpp-python"} <= set(table)
-    assert {name: pins[name] for name in table} == table
+    assert {name: pins.get(name, "not in the lock file") for name in table} == table, "update docs/install.md"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -35,7 +36,11 @@ def main_job(tmp_path_factory):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
         env.pop(key, None)
     out = root / "out"
+    with socket.socket() as s:  # not the config's fixed port: another launch may hold it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_2PROC,
+               "--main_process_port", str(port),
                os.path.join(REPO, "recipes", "ppow_llama.py"), "--config", SMOKE, "--output_dir", str(out)]
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     log = root / "main_job.log"

@@ -1,6 +1,7 @@
 """The offline SmolLM2 target: missing-package errors, cache reuse, and (slow) the real model."""
 
 import importlib.util
+import json
 
 import pytest
 
@@ -26,16 +27,24 @@ def test_cache_location_is_overridable(monkeypatch, tmp_path):
 
 
 def test_converted_cache_is_reused_without_reconverting(monkeypatch, tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(offline, "smollm2_gguf_path", lambda: gguf)
     folder = tmp_path / "smol"
     folder.mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer_config.json", build_once.MARKER):
+    for name in offline.CONVERTED_FILES:
         (folder / name).write_text("{}")
+    (folder / build_once.MARKER).write_text(json.dumps({"key": offline._source_key(gguf)}))
 
     def fail(*args, **kwargs):
         raise AssertionError("must not convert again")
 
-    monkeypatch.setattr(offline, "smollm2_gguf_path", fail)
+    monkeypatch.setattr(offline, "_convert", fail)
     assert offline.smollm2_path(folder) == folder
+    # another GGUF (a reinstalled package) or another conversion version: converted again
+    gguf.write_bytes(b"GGUF, another release")
+    with pytest.raises(AssertionError, match="must not convert again"):
+        offline.smollm2_path(folder)
 
 
 def _slow_fake_conversion(gguf, out):
@@ -51,6 +60,7 @@ def _slow_fake_conversion(gguf, out):
 
 def _first_use(folder, barrier):
     offline._convert = _slow_fake_conversion
+    (folder.parent / "model.gguf").write_bytes(b"GGUF")
     offline.smollm2_gguf_path = lambda: folder.parent / "model.gguf"
     barrier.wait(timeout=120)  # all three ask at the same moment
     return offline.smollm2_path(folder)
@@ -67,7 +77,7 @@ def test_processes_asking_at_once_convert_once_and_all_get_the_folder(tmp_path):
         folders = pool.starmap(_first_use, [(folder, manager.Barrier(3))] * 3)
     assert folders == [folder] * 3
     assert (tmp_path / "conversions.log").read_text().count("converted") == 1
-    assert offline._converted(folder)
+    assert build_once.is_complete(folder, offline.CONVERTED_FILES)
 
 
 def test_a_folder_without_weights_is_converted_again(monkeypatch, tmp_path):
@@ -83,10 +93,11 @@ def test_a_folder_without_weights_is_converted_again(monkeypatch, tmp_path):
             (out / name).write_text("{}")
 
     monkeypatch.setattr(offline, "_convert", convert)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
     monkeypatch.setattr(offline, "smollm2_gguf_path", lambda: tmp_path / "model.gguf")
     assert offline.smollm2_path(folder) == folder
     assert len(calls) == 1 and calls[0].name.startswith("smol.tmp-")  # built aside, then renamed into place
-    assert offline._converted(folder)
+    assert build_once.is_complete(folder, offline.CONVERTED_FILES)
 
 
 @pytest.mark.slow

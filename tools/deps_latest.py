@@ -54,7 +54,8 @@ def run(command: list[str], log: Path, **kwargs) -> tuple[int, float, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", type=Path, default=None, help="scratch environment (default: a temporary folder)")
+    parser.add_argument("--venv", type=Path, default=None, help="scratch environment (default: a new temporary "
+                        "folder; an existing one is reused as it is, so delete it to pick up newer releases)")
     parser.add_argument("--skip-tests", action="store_true", help="only install and compare versions")
     args = parser.parse_args()
 
@@ -70,6 +71,8 @@ def main() -> int:
         return code
     print(f"installed the newest versions in {seconds:.0f} s", flush=True)
     newest = pins(subprocess.run([python, "-m", "pip", "freeze"], capture_output=True, text=True).stdout)
+    venv_python = subprocess.run([python, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True,
+                                 text=True).stdout.strip()
     pinned = pins(CONSTRAINTS.read_text())
 
     results = []
@@ -81,6 +84,7 @@ def main() -> int:
             code, seconds, last = run(command, log)
             results.append((label, code == 0, seconds, last))
             print(f"{label}: {'passed' if code == 0 else 'FAILED'} in {seconds:.0f} s ({last})", flush=True)
+    # One verdict for every package that moved: they are tested together, so a failure is not pinned on one.
     verdict = ("untested" if not results else
                "pass" if all(ok for _, ok, _, _ in results) else "FAIL")
 
@@ -97,7 +101,7 @@ def main() -> int:
     text = "\n".join([
         "# Newest allowed versions against the pinned ones",
         "",
-        f"`make deps-latest` (tools/deps_latest.py), Python {sys.version.split()[0]}: {len(rows)} packages differ "
+        f"`make deps-latest` (tools/deps_latest.py), Python {venv_python}: {len(rows)} packages differ "
         f"from requirements/cpu-py311.txt, {unchanged} are the same.",
         "",
         *summary,

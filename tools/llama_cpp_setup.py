@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -46,13 +47,17 @@ def main() -> int:
 
     flags = cpu_flags() | (set(AMX_FLAGS) if args.as_if_amx else set())
     options = cmake_args(flags) + ["-DLLAVA_BUILD=OFF"] + os.environ.get("CMAKE_ARGS", "").split()
+    native = "-DGGML_NATIVE=OFF" not in options
     if args.print_args:
         print(" ".join(options))
         return 0
-    if not args.force and not args.as_if_amx and installed_version() == VERSION and not amx_fault_expected(flags):
+    extra = os.environ.get("CMAKE_ARGS", "").split()
+    if not (args.force or args.as_if_amx or extra) and installed_version() == VERSION and not amx_fault_expected(flags):
         print(f"llama-cpp-python {VERSION} is installed and has no AMX fault on this CPU; nothing to do.")
         return 0
-    key = hashlib.sha256(f"{VERSION} {' '.join(options)} {sys.version_info[:2]}".encode()).hexdigest()[:12]
+    # A native build (-march=native) runs only on CPUs with the same instruction sets: they are part of its key.
+    cpu = f"{platform.machine()} {' '.join(sorted(flags))}" if native else platform.machine()
+    key = hashlib.sha256(f"{VERSION} {' '.join(options)} {sys.version_info[:2]} {cpu}".encode()).hexdigest()[:12]
     folder = cache_root() / "wheels" / f"llama-cpp-python-{VERSION}-{key}"
 
     def build(tmp: Path) -> None:
