@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -68,12 +67,11 @@ def package_dir(source: Path, scratch: Path) -> Path:
 
 
 def cpu_description() -> dict:
-    from ppow_trl.llama_cpp_build import cpu_flags, has_amx
+    from ppow_trl.llama_cpp_build import has_amx
+    from ppow_trl.utils import cpu_flags, cpu_name
 
     flags = cpu_flags()
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return {"model": model, "avx512f": "avx512f" in flags, "amx": has_amx(flags), "cores": os.cpu_count()}
+    return {"model": cpu_name(), "avx512f": "avx512f" in flags, "amx": has_amx(flags), "cores": os.cpu_count()}
 
 
 def bootstrap_ratio_ci(a: list[float], b: list[float], draws: int = 2000, seed: int = 0) -> list[float]:

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .utils import cpu_flags
+
 # /proc/cpuinfo flag -> the ggml CMake option that enables it when GGML_NATIVE is OFF (ggml/src/ggml-cpu/CMakeLists.txt).
 GGML_ISA_OPTIONS = {
     "sse4_2": "GGML_SSE42",
@@ -44,16 +46,6 @@ AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
 # ggml's GGML_AVX512 option adds -mavx512f/cd/vl/dq/bw together: only when the CPU has all five.
 AVX512_BASE = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")
 QUANTIZED_PROBE_TIMEOUT_S = 120
-
-
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
-    """The instruction-set flags of the first CPU in ``cpuinfo`` (empty where there is no such file)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return set()
-    match = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
-    return set(match.group(1).split()) if match else set()
 
 
 def has_amx(flags: set[str]) -> bool:

@@ -8,6 +8,7 @@ load (~30-45 s here), so we convert once to a safetensors folder under `cache_ro
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from .build_once import build_once, is_complete
@@ -73,7 +74,8 @@ def _convert(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.warning("Converting %s to %s once (about a minute on a CPU).", gguf.name, out)
+    rank = f", process rank {os.environ['RANK']}" if "RANK" in os.environ else ""
+    logger.warning("Converting %s to %s once (about a minute on a CPU%s).", gguf.name, out, rank)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The dequantized model still says it is GGUF-quantized; drop it so that loading the folder reads plain fp32.

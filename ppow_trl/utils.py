@@ -158,6 +158,19 @@ def _looks_like_repo_id(name) -> bool:
     return not Path(text).exists() and text.count("/") <= 1 and not text.startswith((".", "~")) and bool(text)
 
 
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The instruction-set flags of the first CPU in ``cpuinfo`` (``avx512f``, ``amx_int8``, ...); empty where there is
+    no such file. Part of every on-disk cache of code built for this CPU (llama.cpp wheels, inductor kernels)."""
+    import re
+
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows: stated with every measured figure."""
     import platform

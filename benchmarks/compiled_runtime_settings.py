@@ -1,0 +1,127 @@
+"""Choose the compiled runtime's inductor settings by measurement (ppow_trl.compiled).
+
+For each setting: cold compile seconds (empty inductor cache), warm start seconds (a new process, the cache filled),
+the one-token step t_t and verify costs t_v(L) for L = 2..5 rows, on SmolLM2-135M-Instruct fp32, one thread, a
+static cache of 256 positions, measured after a 64-token prompt; the eager row is transformers' eager forward over
+its dynamic cache, as the serving loop ran it before. Row counts are interleaved in each repetition, and every
+figure is a median. Each setting runs in child processes, so that compiling one cannot warm another.
+
+    python benchmarks/compiled_runtime_settings.py [--settings eager,freezing,freezing+max-autotune] [--reps 30]
+
+Writes benchmarks/results/compiled_runtime_settings.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SETTINGS = {
+    "eager": None,
+    "freezing": {"freezing": True},
+    "freezing+max-autotune": {"freezing": True, "max_autotune": True, "gemm_backends": "CPP,ATEN"},
+}
+MAX_ROWS = 5
+PROMPT = 64
+
+
+def child(name: str, reps: int) -> dict:
+    import torch
+
+    from ppow_trl.compiled import CompiledCausalLM, CompileSettings
+    from ppow_trl.features import forward_at
+    from ppow_trl.models import load_target
+    from ppow_trl.offline import smollm2_path
+    from ppow_trl.utils import crop_cache
+
+    torch.set_num_threads(1)
+    target = load_target(smollm2_path()).eval()
+    compile_s = 0.0
+    model = target
+    if SETTINGS[name] is not None:
+        model = CompiledCausalLM(target, max_rows=MAX_ROWS, max_cache_len=256,
+                                 settings=CompileSettings(**SETTINGS[name]))
+        compile_s = model.warm_up(progress=False)
+    prompt = torch.randint(100, 40000, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    times = {rows: [] for rows in range(1, MAX_ROWS + 1)}
+    with torch.no_grad():
+        out, _ = forward_at(model, prompt, None, 0, logits_to_keep=1)
+        cache = out.cache
+        for rep in range(reps + 2):
+            for rows in range(1, MAX_ROWS + 1):
+                tokens = prompt[:rows]
+                start = time.perf_counter()
+                forward_at(model, tokens, cache, PROMPT)
+                elapsed = 1000 * (time.perf_counter() - start)
+                crop_cache(cache, PROMPT)
+                if rep >= 2:  # two warm-up repetitions
+                    times[rows].append(elapsed)
+    medians = {rows: statistics.median(values) for rows, values in times.items()}
+    return {"setting": name, "compile_s": round(compile_s, 1), "t_t_ms": round(medians[1], 2),
+            **{f"t_v{rows}/t_t": round(medians[rows] / medians[1], 3) for rows in range(2, MAX_ROWS + 1)}}
+
+
+def run_child(name: str, reps: int, cache_dir: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+           "OMP_NUM_THREADS": "1", "PPOW_TRL_NUM_THREADS": "1"}
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, __file__, "--child", name, "--reps", str(reps)], env=env,
+                            capture_output=True, text=True, cwd=REPO)
+    if result.returncode:
+        raise RuntimeError(f"{name}: {result.stderr[-3000:]}")
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    measured["process_s"] = round(time.perf_counter() - started, 1)
+    return measured
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compiled_runtime_settings.json")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.reps)))
+        return 0
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.llama_cpp_amx_build import cpu_description
+
+    rows = []
+    for name in args.settings.split(","):
+        with tempfile.TemporaryDirectory(prefix="inductor-") as cache_dir:
+            cold = run_child(name, args.reps, cache_dir)
+            warm = run_child(name, args.reps, cache_dir) if SETTINGS[name] is not None else None
+        row = {**cold, "cold_compile_s": cold["compile_s"], "warm_start_s": warm["compile_s"] if warm else 0.0}
+        if warm:  # the second process's timings: the same kernels, a second sample of the machine
+            row["warm_t_t_ms"] = warm["t_t_ms"]
+        row.pop("compile_s")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    import torch
+
+    report = {"command": "python benchmarks/compiled_runtime_settings.py " + " ".join(sys.argv[1:]),
+              "cpu": cpu_description(), "torch": torch.__version__,
+              "setup": f"SmolLM2-135M-Instruct fp32, 1 thread, static cache 256, {PROMPT}-token prompt, "
+                       f"{args.reps} interleaved repetitions, medians", "rows": rows}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    keys = ["setting", "cold_compile_s", "warm_start_s", "t_t_ms"] + [f"t_v{r}/t_t" for r in range(2, MAX_ROWS + 1)]
+    lines = [f"CPU: {report['cpu']}; {report['setup']}; torch {report['torch']}.", "",
+             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(row.get(k, "")) for k in keys) + " |" for row in rows]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
