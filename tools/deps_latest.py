@@ -16,6 +16,7 @@ To adopt the newest versions once they pass: ``make lock`` (regenerates the cons
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CONSTRAINTS = REPO / "requirements" / "cpu-py311.txt"
 REPORT = REPO / "requirements" / "deps-latest.md"
+ENVIRONMENT_TOOLS = {"pip", "setuptools", "wheel"}
 
 
 def canonical(name: str) -> str:
@@ -70,7 +72,9 @@ def main() -> int:
         print(f"make setup CONSTRAINTS= failed ({last}); see {log}")
         return code
     print(f"installed the newest versions in {seconds:.0f} s", flush=True)
-    newest = pins(subprocess.run([python, "-m", "pip", "freeze"], capture_output=True, text=True).stdout)
+    listed = json.loads(subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True,
+                                       text=True, check=True).stdout)
+    newest = {canonical(item["name"]): item["version"].split("+")[0] for item in listed}
     venv_python = subprocess.run([python, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True,
                                  text=True).stdout.strip()
     pinned = pins(CONSTRAINTS.read_text())
@@ -88,16 +92,19 @@ def main() -> int:
     verdict = ("untested" if not results else
                "pass" if all(ok for _, ok, _, _ in results) else "FAIL")
 
+    # The lock's packages only: the --no-deps wheels are pinned in the Makefile, and the environment's own tools
+    # (pip, setuptools, wheel) are not what the project installs.
     rows = []
-    for name in sorted(set(pinned) | set(newest)):
-        old, new = pinned.get(name, "-"), newest.get(name, "-")
+    for name in sorted(set(pinned) - ENVIRONMENT_TOOLS):
+        old, new = pinned[name], newest.get(name, "not installed")
         if old != new:
             rows.append((name, old, new, verdict))
-    lines = ["| package | pinned | newest | result |", "|---|---|---|---|"]
+    lines = ["| package | pinned | newest | result |", "|---|---|---|---|"] if rows else [
+        "Every package of the lock file is at its newest allowed version: nothing to adopt."]
     lines += [f"| {name} | {old} | {new} | {result} |" for name, old, new, result in rows]
     summary = [f"- {label}: {'passed' if ok else 'FAILED'} in {seconds:.0f} s ({last})"
                for label, ok, seconds, last in results]
-    unchanged = len(set(pinned) & set(newest)) - sum(1 for name, old, new, _ in rows if old != "-" and new != "-")
+    unchanged = len(set(pinned) - ENVIRONMENT_TOOLS) - len(rows)
     text = "\n".join([
         "# Newest allowed versions against the pinned ones",
         "",
