@@ -14,7 +14,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 from test_gguf_export import make_bpe_tokenizer
+from test_multiprocess import free_port
 
 import multiprocess_build_once as workers
 from ppow_trl import build_once as bo
@@ -44,17 +44,11 @@ def tiny_gguf(tmp_path_factory):
     return path, ids[0].tolist(), logits
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(gguf, folder, out, *, delays=(0.0, 0.0), local_ranks=(0, 1)) -> list[dict]:
     """Two gloo processes asking for ``folder`` (rank r waits delays[r] first); their results, in rank order."""
     out.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=workers.rank_worker, args=(rank, 2, port, str(gguf), str(folder),
                                                                     list(local_ranks), list(delays), str(out)))
                  for rank in range(2)]

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from test_multiprocess import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_2PROC = os.path.join(REPO, "recipes", "accelerate_configs", "cpu_2proc.yaml")
@@ -36,9 +36,7 @@ def main_job(tmp_path_factory):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
         env.pop(key, None)
     out = root / "out"
-    with socket.socket() as s:  # not the config's fixed port: another launch may hold it
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # not the config's fixed port: another launch may hold it
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_2PROC,
                "--main_process_port", str(port),
                os.path.join(REPO, "recipes", "ppow_llama.py"), "--config", SMOKE, "--output_dir", str(out)]
