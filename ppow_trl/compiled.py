@@ -32,8 +32,10 @@ import json
 import logging
 import os
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch._inductor.config
@@ -50,12 +52,15 @@ class CompileSettings:
     Attributes:
         freezing: weights become constants, folded and pre-packed for the CPU GEMM kernels (needs ``no_grad``).
         max_autotune: benchmark GEMM implementations per shape (slower to compile; C++ GEMM templates need it).
+            On by default: on SmolLM2 fp32 (AMD EPYC, AVX-512) it made the decode step 2.1x faster than eager and a
+            2-4 row verify cost 0.96-1.03 steps; freezing alone gained 1.1x and kept eager's 1.6-2x verify costs
+            (benchmarks/results/compiled_runtime_settings.md).
         gemm_backends: ``max_autotune_gemm_backends``, e.g. ``"CPP,ATEN"``.
         extra: more inductor options, passed as they are.
     """
 
     freezing: bool = True
-    max_autotune: bool = False
+    max_autotune: bool = True
     gemm_backends: str = "CPP,ATEN"
     extra: dict = field(default_factory=dict)
 
@@ -93,6 +98,24 @@ def use_compile_cache(settings: CompileSettings) -> Path:
     return folder
 
 
+@contextlib.contextmanager
+def compile_context(settings: CompileSettings):
+    """What compiling runs under: ``settings`` in inductor's global config, and MKL's weight packing off.
+
+    Why MKL off: with ``freezing``, inductor packs fp32 linear weights for MKL (``mkl._mkl_reorder_linear_weight``),
+    an opaque tensor that its FX graph cache cannot key ("mkldnn tensors unpickleable"), so every process compiled
+    every graph again (SmolLM2, 5 shapes: a 307 s "warm" start). With the pass off the C++ GEMM template (which packs
+    its own weights) is still chosen, and the graphs come back from the disk cache (a tiny Llama: 67 s cold, 4.9 s
+    warm). Only compiling sees the flag; the compiled kernels and eager code do not read it.
+    """
+    with torch._inductor.config.patch(settings.options()), mock.patch.object(torch._C, "has_mkl", False):
+        yield
+
+
+_STATIC_CACHES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+"""model -> {max_cache_len: StaticCache}: the one static cache of each model and length (``new_cache``)."""
+
+
 class CompiledCausalLM(torch.nn.Module):
     """``model``'s forward compiled per row count ``1..max_rows`` over a static KV cache (module docstring)."""
 
@@ -114,7 +137,6 @@ class CompiledCausalLM(torch.nn.Module):
         self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False)
         self.warm = False
         self.compile_seconds: float | None = None
-        self._cache = None
 
     # --- everything else the serving loop reads (config, generation_config, get_output_embeddings, ...) -----------
     def __getattr__(self, name):
@@ -125,42 +147,70 @@ class CompiledCausalLM(torch.nn.Module):
 
     def new_cache(self):
         """The runtime's ``StaticCache`` of ``max_cache_len`` positions, emptied: one sequence at a time. Allocated
-        once, outside any compiled graph; reusing it keeps the compiled graphs' guards on one object."""
-        if self._cache is not None:
-            self._cache.crop(-int(self._cache.get_seq_length()))
-            return self._cache
-        from transformers import StaticCache
+        once per (model, ``max_cache_len``), outside any compiled graph: dynamo reuses a graph compiled for a model
+        with any static cache of the same shape, and that graph writes into the cache it was compiled with (found
+        when a second runtime over the same model decoded into the first one's cache), so every runtime over one
+        model shares one cache."""
+        caches = _STATIC_CACHES.setdefault(self.model, {})
+        cache = caches.get(self.max_cache_len)
+        if cache is None:
+            from transformers import StaticCache
 
-        config = self.model.config.get_text_config()
-        cache = StaticCache(config=config, max_cache_len=self.max_cache_len)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        cache.early_initialization(1, heads, head_dim, self.model.dtype, self.model.device)
-        self._cache = cache
+            config = self.model.config.get_text_config()
+            heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            with torch.inference_mode(False):  # ordinary tensors: the compiled graphs update them in place
+                cache = StaticCache(config=config, max_cache_len=self.max_cache_len)
+                cache.early_initialization(1, heads, head_dim, self.model.dtype, self.model.device)
+            caches[self.max_cache_len] = cache
+        length = int(cache.get_seq_length())
+        if length:  # a static layer only crops by a negative count
+            cache.crop(-length)
         return cache
 
-    def forward(self, input_ids=None, position_ids=None, cache=None, **kwargs):
-        rows = input_ids.shape[-1]
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, logits_to_keep=0,
+                **kwargs):
+        """The model's forward. One unpadded sequence over the runtime's static cache runs the compiled graph of its
+        row count (``rows <= max_rows``), else the eager model over the same cache (a prefill, a feature read).
+        Batches and caches that are not the runtime's go to the eager model as they are (calibration rollouts)."""
+        batch, rows = input_ids.shape
+        if batch != 1 or (cache is not None and cache is not _STATIC_CACHES.get(self.model, {}).get(self.max_cache_len)):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, logits_to_keep=logits_to_keep, **kwargs)
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("The compiled runtime serves one unpadded sequence: pass no attention mask (or all ones).")
         if cache is None:
             cache = self.new_cache()
         length = int(cache.get_seq_length())
         if length + rows > self.max_cache_len:
             raise ValueError(f"The static cache holds {self.max_cache_len} positions; {length} + {rows} do not fit. "
                              "Build the runtime with a larger max_cache_len.")
-        if rows > self.max_rows or kwargs.get("output_hidden_states") or kwargs.get("logits_to_keep", 0):
-            # the prompt's prefill (and feature reads): eager, over the same cache
-            return self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, **kwargs)
-        kwargs.pop("logits_to_keep", None)
-        # Fresh standard strides: dynamo guards on strides, and a slice of a longer tensor would recompile.
-        input_ids = input_ids.reshape(1, rows).clone(memory_format=torch.contiguous_format)
-        position_ids = (torch.arange(length, length + rows, device=input_ids.device).unsqueeze(0)
-                        if position_ids is None else position_ids.reshape(1, rows).clone(memory_format=torch.contiguous_format))
-        return self._call_compiled(input_ids, position_ids, cache)
+        kwargs.pop("use_cache", None)
+        kwargs.pop("return_dict", None)
+        if rows > self.max_rows or kwargs:
+            # the prompt's prefill, feature reads (output_hidden_states): eager, over the same cache
+            return self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
+                              logits_to_keep=logits_to_keep, **kwargs)
+        # Fresh standard strides (dynamo guards on strides: a slice of a longer tensor would recompile), made outside
+        # inference mode (dynamo guards on dispatch keys: an inference tensor would recompile too).
+        with torch.inference_mode(False):
+            input_ids = input_ids.reshape(1, rows).clone(memory_format=torch.contiguous_format)
+            position_ids = (torch.arange(length, length + rows, device=input_ids.device).unsqueeze(0)
+                            if position_ids is None
+                            else position_ids.reshape(1, rows).clone(memory_format=torch.contiguous_format))
+            out = self._call_compiled(input_ids, position_ids, cache)
+        if isinstance(logits_to_keep, int) and 0 < logits_to_keep < rows:
+            # One graph per row count computes every row's logits: with the C++ GEMM template the lm head costs
+            # about the same for 1 to 3 rows, and a graph per (rows, kept) pair would double the compile time.
+            out.logits = out.logits[:, -logits_to_keep:]
+        return out
 
     def _call_compiled(self, input_ids, position_ids, cache):
         """The compiled graph of this row count; after ``warm_up`` a shape it did not compile is an error."""
-        stance = torch.compiler.set_stance("fail_on_recompile") if self.warm else contextlib.nullcontext()
-        with torch.no_grad(), stance, torch._inductor.config.patch(self.settings.options()):
+        if self.warm:
+            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+                return self._compiled(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+        with torch.no_grad(), compile_context(self.settings):
             return self._compiled(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
 
     @torch.no_grad()

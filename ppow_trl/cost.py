@@ -33,6 +33,8 @@ class CostModel:
         description (`str`): where the figures come from (machine, dtype, models); informational.
         drafter_per_round (`bool`): ``drafter_cost`` is one drafter forward per *round* (a block drafter,
             ``ppow_trl.dflash``, drafts its whole window in one forward), not per drafted token.
+        runtime (`str`): the runtime the forwards were timed on (``ppow_trl.runtime``: ``"eager"`` or
+            ``"compiled"``); a rule chosen on one runtime's costs is served on that runtime.
     """
 
     drafter_cost: float
@@ -40,6 +42,7 @@ class CostModel:
     description: str = ""
     raw_seconds: dict = field(default_factory=dict)
     drafter_per_round: bool = False
+    runtime: str = "eager"
 
     def __post_init__(self):
         if self.drafter_cost < 0 or not self.verify_cost or any(c <= 0 for c in self.verify_cost):

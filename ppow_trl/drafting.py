@@ -98,6 +98,8 @@ class DrafterFamily:
         reduced_head: the drafter can have a reduced-vocabulary head (``draft_vocab_ids`` of ``build``).
         hf_generate_kwargs: extra ``target.generate`` arguments of the family's own route in transformers (DFlash:
             ``speculation_type="dflash"``); empty for drafters HF calls as assistant causal LMs.
+        compiles: the drafter is a causal LM over its own KV cache, which the compiled runtime
+            (``ppow_trl.runtime``) compiles like the target; the others draft eagerly.
         writes_hook_file: ``save_assistant`` copies ``custom_generate/generate.py`` into its folders (HF calls the
             drafter's ``generate`` as an assistant); a family with its own native route does not.
     """
@@ -114,6 +116,7 @@ class DrafterFamily:
     hf_generate_kwargs: dict = {}
     reads_target: bool = False
     runs_on_target: bool = False
+    compiles: bool = False
 
     # -- recognising -------------------------------------------------------------------------------------
     def owns(self, model) -> bool:

@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from .models import QUANTIZATIONS
 from .rewards import DIVERGENCES
+from .runtime import RUNTIMES
 
 
 @dataclass
@@ -124,6 +125,10 @@ class PPOWConfig(GRPOConfig):
 
         target_quantization (`str`, *optional*):
             `None`, `"4bit"` or `"8bit"` (bitsandbytes): how a target given by name is loaded.
+        runtime (`str`, *optional*, defaults to `"compiled"`):
+            The runtime the served rule's costs are measured on and the evaluation serves on (`ppow_trl.runtime`):
+            `"compiled"` (inductor over a static KV cache, on CPUs; compiled once and cached on disk, eager with a
+            one-line message where compiling is not possible) or `"eager"`. Training always runs eagerly.
     """
 
     max_window: int = field(default=8, metadata={"help": "K, the most tokens drafted per window."})
@@ -154,6 +159,7 @@ class PPOWConfig(GRPOConfig):
     selection_refresh_steps: int = field(default=50, metadata={"help": "Rescore every N optimizer steps."})
     selection_refresh_sequences: int = field(default=64, metadata={"help": "Sequences rescored per refresh."})
     target_quantization: str | None = field(default=None, metadata={"help": "None, '4bit' or '8bit'."})
+    runtime: str = field(default="compiled", metadata={"help": "Serving runtime: 'compiled' or 'eager'."})
 
     # Defaults that differ from GRPOConfig, with the reason.
     # Drafters are small: activation checkpointing costs time and saves little memory.
@@ -287,6 +293,8 @@ class PPOWConfig(GRPOConfig):
             errors.append("Need selection_beta >= 0, selection_eps > 0 and selection_uniform_share in [0, 1].")
         if self.selection_refresh_steps < 1 or self.selection_refresh_sequences < 1:
             errors.append("selection_refresh_steps and selection_refresh_sequences must be >= 1.")
+        if self.runtime not in RUNTIMES:
+            errors.append(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}.")
         if self.target_quantization not in QUANTIZATIONS:
             errors.append(f"target_quantization must be one of {QUANTIZATIONS}, got {self.target_quantization!r}.")
         if not self.ignore_data_skip:

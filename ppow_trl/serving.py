@@ -42,12 +42,17 @@ def calibrate_for_serving(
     pad_id: int = 0,
     cost_repeats: int = 15,
     seed: int = 0,
+    runtime=None,
 ) -> tuple[AdaptiveWindowPolicy, CostModel, dict]:
     """The served ``(policy, cost_model, report)`` of a merged ``drafter`` (module docstring).
 
     The cost model is timed on top of a KV cache of the median-length held-out context (what is served looks like
     it; a random 128-token context underestimates ``t_v`` on long chats), in the drafter's and target's current
     dtype and device, with the drafter in eval mode. ``guard=None`` serves without the online guard.
+
+    ``runtime``: the ``ppow_trl.runtime.ServingRuntime`` that will serve (its models are timed, and the cost model
+    names it); ``None`` times ``target`` and ``drafter`` as they are (eager). Acceptance statistics come from
+    ``target`` and ``drafter`` either way: greedy tokens do not depend on the runtime, up to near ties.
     """
     _check_servable(drafter)
     if not contexts:
@@ -55,9 +60,12 @@ def calibrate_for_serving(
     drafter.eval()
     lengths = [len(c) for c in contexts]
     typical = contexts[lengths.index(sorted(lengths)[len(lengths) // 2])]
-    cost_model = calibrate_cost_model(target, drafter, max_window, context_ids=typical.view(1, -1),
+    timed_target, timed_drafter = (target, drafter) if runtime is None else (runtime.target, runtime.drafter)
+    cost_model = calibrate_cost_model(timed_target, timed_drafter, max_window, context_ids=typical.view(1, -1),
                                       repeats=cost_repeats, seed=seed)
-    cost_model.description += f"; served drafter (eval, merged); context = median held-out ({len(typical)} tokens)"
+    cost_model.runtime = "eager" if runtime is None else runtime.name
+    cost_model.description += (f"; served drafter (eval, merged); context = median held-out ({len(typical)} tokens)"
+                                f"; runtime {cost_model.runtime if runtime is None else runtime.describe()}")
     policy, report = calibrate_policy(target, drafter, contexts, cost_model, max_window=max_window, regime=regime,
                                       temperature=temperature, confidence_temperature=confidence_temperature,
                                       vocab_size=vocab_size, pad_id=pad_id, seed=seed, allow_no_speculation=True,
@@ -81,7 +89,7 @@ def calibrate_for_serving(
 def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | None) -> str:
     """One sentence: the rule chosen, the predicted speedup, and the machine's costs that decided it."""
     costs = "cost model not measured" if cost_model is None else (
-        f"t_d/t_t = {cost_model.drafter_cost:.3f}, t_v(L)/t_t for L = 1..{len(cost_model.verify_cost) - 1} = "
+        f"{cost_model.runtime} runtime: t_d/t_t = {cost_model.drafter_cost:.3f}, t_v(L)/t_t for L = 1..{len(cost_model.verify_cost) - 1} = "
         + " / ".join(f"{c:.2f}" for c in cost_model.verify_cost[1:]))
     calibration = policy.calibration or {}
     predicted = calibration.get("predicted_speedup")

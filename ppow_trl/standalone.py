@@ -123,6 +123,7 @@ class StandaloneFamily(DrafterFamily):
 
     name = "standalone"
     description = "standalone causal LM"
+    compiles = True
     export_formats = ("gguf",)  # llama.cpp's layout (ppow_trl.gguf_export), for CPU users of llama-speculative
 
     def owns(self, model) -> bool:

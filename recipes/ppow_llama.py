@@ -29,13 +29,17 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from ppow_trl import KDConfig, KDTrainer, PPOWConfig, PPOWTrainer
 from ppow_trl.assisted import save_assistant
 from ppow_trl.bench import BenchDrafter, run_benchmark
+from ppow_trl.bench.served import compare_arms, format_arms, generate_arm, loop_arm
 from ppow_trl.calibration import held_out_contexts
-from ppow_trl.data import build_target_responses, compute_target_features, compute_target_topk, load_prompts
+from ppow_trl.data import (build_target_responses, compute_target_features, compute_target_topk, encode_prompt,
+                           load_prompts, stop_token_ids)
 from ppow_trl.drafting import get_family
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target
 from ppow_trl.model_card import PROTOCOL
+from ppow_trl.runtime import serving_runtime
 from ppow_trl.serving import calibrate_for_serving
 from ppow_trl.utils import cache_root, set_cpu_threads
+from ppow_trl.windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger("ppow_llama")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "offline_smollm2.yaml"
@@ -303,7 +307,7 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     standalone = copy.deepcopy(unwrapped).merge_and_unload() if hasattr(unwrapped, "merge_and_unload") else unwrapped
     # The served rule is decided on the drafter as served (merged, eval mode), on this machine's measured costs:
     # K = 0 when nothing pays, else (K, h) with the online guard. Every save below carries it.
-    serve_for_the_drafter_as_saved(trainer, standalone, calibration_data, training_args)
+    serving = serve_for_the_drafter_as_saved(trainer, standalone, calibration_data, training_args)
 
     # Adapter (or drafter) + the served window policy + cost model + custom_generate/ for assistant_model=.
     trainer.save_model(training_args.output_dir)
@@ -318,6 +322,7 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
                 trainer.window_policy.save_pretrained(folder)
             logger.info("%s exported in the %s layout to %s", family.description, script_args.export_format, folder)
         summary = evaluate_drafter(target, tokenizer, standalone, trainer, script_args, training_args)
+        served = evaluate_served(serving, target, tokenizer, trainer, script_args, training_args)
         trainer.model_card_info = {
             "target": script_args.target_model,
             "drafter": family.describe(drafter) + _source_suffix(script_args),
@@ -328,7 +333,9 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
             "evaluation_setup": f"{script_args.num_eval_prompts} {script_args.eval_prompts} prompts, greedy, "
             f"{training_args.eval_max_new_tokens} new tokens, "
             + ("GPU" if torch.cuda.is_available() else f"CPU ({threads} torch threads, fp32 drafter)")
-            + f", target {training_args.target_quantization or 'unquantized'}.",
+            + f", target {training_args.target_quantization or 'unquantized'}."
+            + (f"\n\nServed on the {served['runtime']} runtime, side by side on the same prompts:\n\n"
+               + "\n".join(served["table"]) if served else ""),
         }
         trainer.create_model_card()
     if training_args.push_to_hub:
@@ -336,13 +343,19 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     return trainer
 
 
-def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_args) -> None:
-    """Measure the cost model on ``drafter`` (merged, eval) and calibrate the served rule on the held-out responses
-    (``ppow_trl.serving.calibrate_for_serving``, main process, broadcast); the trainer then saves that rule."""
+def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_args):
+    """Measure the cost model on ``drafter`` (merged, eval) on the serving runtime (``training_args.runtime``:
+    compiled, cached on disk, or eager) and calibrate the served rule on the held-out responses
+    (``ppow_trl.serving.calibrate_for_serving``, main process, broadcast); the trainer then saves that rule.
+    Returns the ``ServingRuntime`` on the main process (``None`` on the others)."""
     from accelerate.utils import broadcast_object_list
 
     result = [None, None]
+    serving = None
     if trainer.accelerator.is_main_process:
+        serving = serving_runtime(trainer.target, drafter.eval(), runtime=training_args.runtime,
+                                  max_window=training_args.max_window)
+        logger.info("Serving runtime: %s", serving.describe())
         contexts = held_out_contexts(calibration_data["prompt_ids"], calibration_data["response_ids"],
                                      training_args.calibration_contexts_per_response,
                                      training_args.calibration_max_contexts)
@@ -351,12 +364,13 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
                 trainer.target, drafter, contexts, max_window=training_args.max_window,
                 regime=training_args.calibration_regime, temperature=training_args.temperature,
                 confidence_temperature=training_args.confidence_temperature, vocab_size=trainer.vocab_size,
-                pad_id=trainer.processing_class.pad_token_id, seed=training_args.seed)
+                pad_id=trainer.processing_class.pad_token_id, seed=training_args.seed, runtime=serving)
         result = [policy, cost_model]
         logger.info("Served rule: %s", policy.calibration["serving_rule"])
     if trainer.accelerator.num_processes > 1:
         broadcast_object_list(result, from_process=0)
     trainer.window_policy, trainer.cost_model = result
+    return serving
 
 
 def make_family_drafter(family, target, tokenizer, script_args, draft_vocab):
@@ -399,6 +413,42 @@ def evaluate_drafter(target, tokenizer, drafter, trainer, script_args, training_
               f"[{row['speedup_p25']:.2f}, {row['speedup_p75']:.2f}]  lossless {row['lossless_prompts']}")
     print(f"  served rule: {trainer.window_policy.calibration['serving_rule']}\n")
     return report["summary"]
+
+
+def evaluate_served(serving, target, tokenizer, trainer, script_args, training_args) -> dict:
+    """The served rule on the serving runtime against plain decoding on it and against transformers' eager
+    ``generate``, side by side on the held-out prompts (``ppow_trl.bench.served``); prints and returns the summary."""
+    if serving is None or not script_args.num_eval_prompts:
+        return {}
+    prompts = load_prompts(script_args.eval_prompts, num_samples=script_args.num_eval_prompts, seed=training_args.seed)
+    device = next(target.parameters()).device
+    prompt_ids = [torch.tensor([encode_prompt(tokenizer, row["messages"])], device=device) for row in prompts]
+    stop_ids = stop_token_ids(target, tokenizer)
+    room = serving.target.max_cache_len if serving.name == "compiled" else None
+    if room is not None:  # prompts that do not fit the static cache are not served on it
+        prompt_ids = [ids for ids in prompt_ids
+                      if ids.shape[1] + training_args.eval_max_new_tokens + training_args.max_window + 1 <= room]
+    if not prompt_ids:
+        return {}
+    name, vocab = serving.name, trainer.vocab_size
+    plain = f"{name}_plain"
+    arms = [
+        generate_arm("hf_generate_eager", target, stop_ids, tokenizer.pad_token_id or stop_ids[0], "hf_generate_eager"),
+        loop_arm(plain, serving.target, serving.drafter, AdaptiveWindowPolicy(max_window=0), stop_ids, vocab, plain),
+        loop_arm(f"{name}_speculative[served rule]", serving.target, serving.drafter, trainer.window_policy, stop_ids,
+                 vocab, plain),
+    ]
+    result = compare_arms(arms, prompt_ids, max_new_tokens=training_args.eval_max_new_tokens,
+                          baselines=[plain, "hf_generate_eager"], eager_reference="hf_generate_eager")
+    print(f"\nServed on the {serving.describe()} runtime, {len(prompt_ids)} held-out {script_args.eval_prompts} "
+          f"prompts, greedy, {training_args.eval_max_new_tokens} new tokens, side by side:")
+    print("\n".join(format_arms(result["arms"], [plain, "hf_generate_eager"])))
+    served = result["arms"][f"{name}_speculative[served rule]"]
+    print(f"  served: {served[f'speedup_vs_{plain}']:.2f}x {name} plain decoding, "
+          f"{served['speedup_vs_hf_generate_eager']:.2f}x transformers' eager generate; lossless "
+          f"{served['lossless_prompts']}\n")
+    return {"runtime": serving.describe(), "arms": result["arms"],
+            "table": format_arms(result["arms"], [plain, "hf_generate_eager"])}
 
 
 def make_parser() -> TrlParser:

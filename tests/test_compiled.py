@@ -87,5 +87,63 @@ def test_speculative_on_the_compiled_route_is_the_compiled_plain_text(models):
 def test_compile_cache_is_keyed_by_settings_and_machine(tmp_path):
     a = compile_cache_dir(CompileSettings(), tmp_path)
     assert a == compile_cache_dir(CompileSettings(), tmp_path)
-    assert a != compile_cache_dir(CompileSettings(max_autotune=True), tmp_path)
+    assert a != compile_cache_dir(CompileSettings(max_autotune=False), tmp_path)
     assert a.parent == tmp_path / "inductor"
+
+
+def test_a_second_process_finds_the_graphs_in_the_disk_cache(models):
+    """A new runtime over the same model compiles nothing: inductor's FX graph cache holds every graph (with MKL's
+    opaque packed weights in the graph, it bypassed the cache and every process compiled again)."""
+    from torch._dynamo.utils import counters
+
+    target, _, compiled = models
+    torch._dynamo.reset()  # what a new process starts from: dynamo's in-memory code cache empty
+    before = dict(counters["inductor"])
+    again = CompiledCausalLM(target, max_rows=MAX_ROWS, max_cache_len=96)
+    again.warm_up(progress=False)
+    after = dict(counters["inductor"])
+    compiled.warm = False  # the fixture's runtime lost its dynamo entries with the reset: warm it again (cache hits)
+    compiled.warm_up(progress=False)
+    assert after.get("fxgraph_cache_bypass", 0) == before.get("fxgraph_cache_bypass", 0)
+    assert after.get("fxgraph_cache_miss", 0) == before.get("fxgraph_cache_miss", 0)
+    assert after.get("fxgraph_cache_hit", 0) - before.get("fxgraph_cache_hit", 0) == MAX_ROWS
+
+
+def test_serving_runtime_compiles_target_and_standalone_drafter_and_times_them(models):
+    from ppow_trl.runtime import serving_runtime
+    from ppow_trl.serving import calibrate_for_serving
+
+    target, close, _ = models
+    runtime = serving_runtime(target, close, runtime="compiled", max_window=MAX_ROWS - 1, max_cache_len=96,
+                              progress=False)
+    assert runtime.name == "compiled" and runtime.fallback is None
+    assert isinstance(runtime.target, CompiledCausalLM) and isinstance(runtime.drafter, CompiledCausalLM)
+    contexts = [torch.randint(8, 64, (12,), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    policy, cost_model, _ = calibrate_for_serving(target, close, contexts, max_window=MAX_ROWS - 1, cost_repeats=3,
+                                                  runtime=runtime)
+    assert cost_model.runtime == "compiled" and "compiled (inductor" in cost_model.description
+    assert "compiled runtime" in policy.calibration["serving_rule"]
+    prompt = torch.randint(8, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = greedy_continuation(runtime.target, prompt[0].tolist(), 16, 64)
+    served = speculative_generate(runtime.target, runtime.drafter, prompt, policy=AdaptiveWindowPolicy(MAX_ROWS - 1, 0.0),
+                                  max_new_tokens=16, eos_token_id=[])
+    assert served.new_tokens == plain
+
+
+def test_serving_runtime_falls_back_to_eager_with_one_line(models, monkeypatch, caplog):
+    from ppow_trl import runtime as runtime_module
+
+    target, close, _ = models
+
+    def broken(self, progress=True):
+        raise RuntimeError("inductor failed\nlong traceback")
+
+    monkeypatch.setattr(runtime_module.CompiledCausalLM, "warm_up", broken)
+    with caplog.at_level("WARNING"):
+        served = runtime_module.serving_runtime(target, close, runtime="compiled", max_window=2, progress=False)
+    assert served.name == "eager" and served.target is target and served.drafter is close
+    assert served.fallback == "RuntimeError: inductor failed"
+    assert "serving eagerly" in caplog.text
+    assert runtime_module.serving_runtime(target, close, runtime="eager", max_window=2).target is target
+    with pytest.raises(ValueError, match="runtime must be one of"):
+        runtime_module.serving_runtime(target, close, runtime="fast", max_window=2)

@@ -1,0 +1,143 @@
+"""Served configurations side by side: plain and speculative decoding on each runtime, and transformers' ``generate``.
+
+``serving_arms(...)`` builds the rows a user can choose between: ``hf_generate_eager`` (transformers' ``generate``,
+dynamic cache, eager), ``compiled_plain[<precision>]`` / ``eager_plain`` (ppow_trl's loop without a drafter on the
+serving runtime) and ``compiled_speculative[<name>]`` / ``eager_speculative[<name>]`` (the loop with a drafter and its
+served rule). ``compare_arms`` runs every arm on every prompt, back to back in an order that rotates by one each
+prompt (a burst of load on a shared machine lands on all arms alike), and summarises each arm:
+
+- ``ms_per_token``: median over prompts of seconds / new tokens, with a 95% bootstrap interval;
+- ``speedup_vs_<baseline>``: ``sum_p t_baseline(p) / sum_p t_arm(p)`` over prompts (a ratio of total times, what a
+  user serving these prompts sees; every greedy arm generates the same tokens when lossless), with a 95% bootstrap
+  interval over prompts;
+- ``tau``: new tokens per verification forward (``ppow_trl.metrics``);
+- ``lossless_prompts``: prompts whose tokens equal the reference arm's (the plain arm of the same runtime and
+  precision), as ``"k/n"``; ``agrees_with_eager_prompts``: the same against eager plain decoding (the kernels differ
+  between runtimes, so a near tie may flip a token).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..generation import speculative_generate
+from ..windowing import AdaptiveWindowPolicy
+
+
+@dataclass
+class Arm:
+    """One served configuration: ``run(prompt_ids (1, T), max_new_tokens) -> (new tokens, target forwards that
+    verified)``; ``reference``: the label of the arm whose tokens it must reproduce (itself for a plain arm)."""
+
+    label: str
+    run: Callable
+    reference: str
+    info: dict = field(default_factory=dict)
+
+
+def loop_arm(label: str, target, drafter, policy: AdaptiveWindowPolicy, stop_ids, vocab_size: int, reference: str,
+             info: dict | None = None) -> Arm:
+    """ppow_trl's own loop (``speculative_generate``, greedy) with ``drafter`` under ``policy`` (K = 0: plain)."""
+
+    def run(ids, max_new_tokens):
+        out = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=max_new_tokens,
+                                   eos_token_id=stop_ids, vocab_size=vocab_size)
+        return out.new_tokens, out.target_forwards - out.prefill_forwards
+
+    return Arm(label, run, reference, info or {})
+
+
+def generate_arm(label: str, target, stop_ids, pad_id: int, reference: str, info: dict | None = None,
+                 **generate_kwargs) -> Arm:
+    """transformers' ``target.generate`` (greedy, raw argmax: no repetition penalty), with ``generate_kwargs``."""
+
+    def run(ids, max_new_tokens):
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                              eos_token_id=stop_ids, pad_token_id=pad_id, **generate_kwargs)
+        tokens = out[0, ids.shape[1]:].tolist()
+        return tokens, len(tokens)
+
+    return Arm(label, run, reference, info or {})
+
+
+def _bootstrap(values_by_prompt: list, statistic: Callable, seed: int = 0, draws: int = 2000) -> tuple[float, float]:
+    """95% percentile interval of ``statistic`` over prompts resampled with replacement."""
+    rng = random.Random(seed)
+    n = len(values_by_prompt)
+    results = sorted(statistic([values_by_prompt[rng.randrange(n)] for _ in range(n)]) for _ in range(draws))
+    return results[int(0.025 * draws)], results[int(0.975 * draws) - 1]
+
+
+def _first_tokens_equal(tokens, reference) -> bool:
+    return list(tokens) == list(reference)
+
+
+@torch.no_grad()
+def compare_arms(arms: list[Arm], prompt_ids: list[torch.Tensor], *, max_new_tokens: int, baselines: list[str],
+                 eager_reference: str | None = None, warmup: bool = True, progress: bool = True) -> dict:
+    """Every arm on every prompt, rotated; returns ``{"arms": {label: summary}, "records": [...]}`` (module doc)."""
+    from tqdm.auto import tqdm
+
+    labels = [arm.label for arm in arms]
+    missing = [name for name in baselines + [arm.reference for arm in arms] + [eager_reference or labels[0]]
+               if name not in labels]
+    if missing:
+        raise ValueError(f"compare_arms: baseline or reference arms {missing} are not among the arms {labels}.")
+    if warmup:  # first calls (allocations, lazy imports) are not timed
+        for arm in arms:
+            arm.run(prompt_ids[0], 4)
+    records = []
+    for index, ids in enumerate(tqdm(prompt_ids, desc="Prompts (every arm)", disable=not progress)):
+        order = arms[index % len(arms):] + arms[: index % len(arms)]
+        row = {}
+        for arm in order:
+            start = time.perf_counter()
+            tokens, verify_forwards = arm.run(ids, max_new_tokens)
+            seconds = time.perf_counter() - start
+            row[arm.label] = {"tokens": tokens, "seconds": seconds, "verify_forwards": verify_forwards}
+        records.append(row)
+    summary = {}
+    for arm in arms:
+        per_prompt = [r[arm.label] for r in records]
+        ms = [1000 * p["seconds"] / max(1, len(p["tokens"])) for p in per_prompt]
+        entry = {
+            **arm.info,
+            "prompts": len(per_prompt),
+            "ms_per_token_median": statistics.median(ms),
+            "ms_per_token_ci95": _bootstrap(ms, statistics.median),
+            "tau": sum(len(p["tokens"]) for p in per_prompt) / max(1, sum(p["verify_forwards"] for p in per_prompt)),
+            "lossless_prompts": f"{sum(_first_tokens_equal(r[arm.label]['tokens'], r[arm.reference]['tokens']) for r in records)}/{len(records)}",
+            "agrees_with_eager_prompts": f"{sum(_first_tokens_equal(r[arm.label]['tokens'], r[eager_reference or labels[0]]['tokens']) for r in records)}/{len(records)}",
+            "new_tokens": sum(len(p["tokens"]) for p in per_prompt),
+        }
+        for baseline in baselines:
+            pairs = [(r[baseline]["seconds"], r[arm.label]["seconds"]) for r in records]
+            ratio = lambda sample: sum(b for b, _ in sample) / sum(a for _, a in sample)  # noqa: E731
+            entry[f"speedup_vs_{baseline}"] = ratio(pairs)
+            entry[f"speedup_vs_{baseline}_ci95"] = _bootstrap(pairs, ratio)
+        summary[arm.label] = entry
+    return {"arms": summary, "records": [{label: {k: v for k, v in cell.items() if k != "tokens"}
+                                          for label, cell in row.items()} for row in records]}
+
+
+def format_arms(summary: dict, baselines: list[str]) -> list[str]:
+    """Markdown rows: label, ms/token [CI], tau, speedups [CI], lossless."""
+    head = ["arm", "ms/token [95% CI]", "tau"] + [f"speedup vs {b} [95% CI]" for b in baselines] + ["lossless",
+                                                                                                     "= eager"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, entry in summary.items():
+        lo, hi = entry["ms_per_token_ci95"]
+        cells = [label, f"{entry['ms_per_token_median']:.1f} [{lo:.1f}, {hi:.1f}]", f"{entry['tau']:.2f}"]
+        for baseline in baselines:
+            lo, hi = entry[f"speedup_vs_{baseline}_ci95"]
+            cells.append(f"{entry[f'speedup_vs_{baseline}']:.2f}x [{lo:.2f}, {hi:.2f}]")
+        cells += [entry["lossless_prompts"], entry["agrees_with_eager_prompts"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
