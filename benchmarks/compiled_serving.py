@@ -1,0 +1,210 @@
+"""The serving runtimes side by side: transformers' generate (eager, compiled) against ppow_trl's compiled runtime,
+plain and speculative, greedy, batch 1, on MT-bench and code prompts, at each thread count asked for.
+
+Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in a rotating order):
+
+- ``hf_generate_eager``: ``target.generate``, dynamic cache, eager (the baseline most users have);
+- ``hf_generate_compiled``: ``generate`` with ``cache_implementation="static"`` and a ``CompileConfig`` (inductor,
+  ``fullgraph``, static shapes, freezing + max-autotune options), transformers' documented route; on a CPU it needs
+  ``compile_config._compile_all_devices = True``;
+- ``compiled_plain[fp32]``: ppow_trl's loop without a drafter on the compiled runtime (``ppow_trl.runtime``);
+- ``compiled_speculative[<drafter>]``: the loop with a drafter and the rule ``calibrate_for_serving`` chooses on the
+  compiled runtime's measured costs (the main job's drafter, prompt lookup); when that rule is K = 0 the best rule
+  that speculates is also timed, as ``compiled_speculative[<drafter>:best_speculative]``.
+
+Every row: median ms/token [95% CI], tau, speedups against ``compiled_plain[fp32]`` and ``hf_generate_eager``
+(ratio of total times [95% CI]), lossless prompts (tokens equal to compiled plain decoding's) and agreement with
+eager plain decoding; each drafter's cost model on the compiled runtime and the compile seconds of this run.
+Results are written after each (threads, prompt set), and a rerun skips those already in the JSON (``--force``).
+
+    python benchmarks/compiled_serving.py                              # 80 MT-bench + 40 code prompts, 1 and 2 threads
+    python benchmarks/compiled_serving.py --mtbench 24 --code 12 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "benchmarks" / "results" / "compiled_serving.json"
+MAX_CACHE_LEN = 512
+HF_MAX_CACHE_LEN = 576  # not 512: transformers' compiled call and ours share dynamo's code cache (the same
+# Module.__call__); equal cache shapes would let one's graph run on the other's static cache.
+CALIBRATION_PROMPTS = 16
+
+
+def child(args) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+    from transformers.generation import CompileConfig
+
+    import ppow_trl  # noqa: F401
+    from ppow_trl.bench.served import compare_arms, format_arms, generate_arm, loop_arm
+    from ppow_trl.calibration import held_out_contexts
+    from ppow_trl.compiled import CompileSettings, compile_cache_dir
+    from ppow_trl.data import build_target_responses, encode_prompt, load_prompts, stop_token_ids
+    from ppow_trl.drafting import get_family, load_drafter
+    from ppow_trl.models import load_target
+    from ppow_trl.offline import smollm2_path
+    from ppow_trl.runtime import serving_runtime
+    from ppow_trl.serving import calibrate_for_serving
+    from ppow_trl.utils import cache_root, set_cpu_threads
+    from ppow_trl.windowing import AdaptiveWindowPolicy
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.llama_cpp_amx_build import cpu_description
+
+    threads = args.threads[0]
+    set_cpu_threads(threads)
+    target = load_target(smollm2_path()).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
+    stop_ids = stop_token_ids(target, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    vocab = len(tokenizer)
+    K = args.max_window
+    cache_was_empty = not any(compile_cache_dir(CompileSettings()).glob("*"))
+
+    drafters = {"ppow": load_drafter(args.drafter, target=target).eval(),
+                "prompt_lookup": get_family("prompt_lookup").build(target, tokenizer).eval()}
+    # Held-out calibration contexts: the target's greedy responses to ShareGPT test prompts (cached on disk).
+    calibration = build_target_responses(target, tokenizer, load_prompts("sharegpt-test", CALIBRATION_PROMPTS, seed=1),
+                                         max_new_tokens=64, batch_size=8, seed=1,
+                                         cache_dir=cache_root() / "responses")
+    contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4, 64)
+
+    started = time.perf_counter()
+    runtimes = {name: serving_runtime(target, drafter, runtime="compiled", max_window=K, max_cache_len=MAX_CACHE_LEN)
+                for name, drafter in drafters.items()}
+    compile_s = time.perf_counter() - started
+    rules, costs = {}, {}
+    for name, runtime in runtimes.items():
+        if runtime.name != "compiled":
+            raise SystemExit(f"The compiled runtime is unavailable here ({runtime.fallback}); nothing to compare.")
+        with torch.no_grad():
+            policy, cost_model, _ = calibrate_for_serving(target, drafters[name], contexts, max_window=K,
+                                                          vocab_size=vocab, pad_id=pad_id, runtime=runtime)
+        rules[name], costs[name] = policy, cost_model
+        print(f"[{name}] {policy.calibration['serving_rule']}", file=sys.stderr, flush=True)
+
+    compiled_target = runtimes["ppow"].target
+    plain = "compiled_plain[fp32]"
+    arms = [generate_arm("hf_generate_eager", target, stop_ids, pad_id, "hf_generate_eager")]
+    if not args.skip_hf_compiled:
+        config = CompileConfig(fullgraph=True, dynamic=False, mode=None,
+                               options={"freezing": True, "max_autotune": True,
+                                        "max_autotune_gemm_backends": "CPP,ATEN"})
+        config._compile_all_devices = True  # transformers compiles only on accelerators unless told so
+        hf_kwargs = {"cache_implementation": "static", "compile_config": config}
+        arms.append(generate_arm("hf_generate_compiled", target, stop_ids, pad_id, "hf_generate_compiled",
+                                 **hf_kwargs))
+    arms.append(loop_arm(plain, compiled_target, drafters["ppow"], AdaptiveWindowPolicy(max_window=0), stop_ids, vocab,
+                         plain))
+    for name, runtime in runtimes.items():
+        policy = rules[name]
+        arms.append(loop_arm(f"compiled_speculative[{name}]", runtime.target, runtime.drafter, policy, stop_ids, vocab,
+                             plain, {"rule": policy.calibration["serving_rule"]}))
+        best = policy.calibration.get("best_speculative_rule")
+        if policy.max_window == 0 and best:
+            forced = policy.with_window(best["max_window"], best["threshold"])
+            forced.guard = best.get("guard")
+            arms.append(loop_arm(f"compiled_speculative[{name}:best_speculative]", runtime.target, runtime.drafter,
+                                 forced, stop_ids, vocab, plain,
+                                 {"rule": f"K = {best['max_window']}, h = {best['threshold']:.2f}, guarded"}))
+
+    hf_compile_s = None
+    if not args.skip_hf_compiled:
+        # transformers' compiled generate: compile its decode graph once over a static cache of HF_MAX_CACHE_LEN
+        # positions (a first call that long; later calls reuse the cache), outside the timed runs.
+        long_prompt = torch.randint(100, 40000, (1, HF_MAX_CACHE_LEN - 16), generator=torch.Generator().manual_seed(0))
+        start = time.perf_counter()
+        target.generate(long_prompt, attention_mask=torch.ones_like(long_prompt), max_new_tokens=16, min_new_tokens=16,
+                        do_sample=False, pad_token_id=pad_id, **hf_kwargs)
+        hf_compile_s = time.perf_counter() - start
+
+    report = {"cpu": cpu_description(), "torch": torch.__version__, "threads": threads, "runs": {},
+              "compile_s": {"ppow_trl_runtime": round(compile_s, 1), "hf_generate_compiled": hf_compile_s and round(hf_compile_s, 1),
+                            "inductor_cache": "empty (cold)" if cache_was_empty else "filled (warm)"},
+              "cost_models": {name: {"runtime": c.runtime, "t_d/t_t": round(c.drafter_cost, 4),
+                                     "t_v(L)/t_t": [round(v, 3) for v in c.verify_cost], "t_t_ms": round(1000 * c.raw_seconds["target_step"], 2)}
+                              for name, c in costs.items()},
+              "rules": {name: p.calibration["serving_rule"] for name, p in rules.items()}}
+    sets = {"mtbench": args.mtbench, "code": args.code}
+    for set_name, count in sets.items():
+        if not count:
+            continue
+        rows = load_prompts(set_name, num_samples=count)
+        ids = [torch.tensor([encode_prompt(tokenizer, row["messages"])]) for row in rows]
+        fitting = [i for i in ids if i.shape[1] + args.max_new_tokens + K + 1 <= MAX_CACHE_LEN]
+        result = compare_arms(arms, fitting, max_new_tokens=args.max_new_tokens,
+                              baselines=[plain, "hf_generate_eager"], eager_reference="hf_generate_eager")
+        report["runs"][set_name] = {"prompts": len(fitting), "skipped_too_long": len(ids) - len(fitting),
+                                    "arms": result["arms"], "table": format_arms(result["arms"], [plain, "hf_generate_eager"])}
+        print("\n".join(report["runs"][set_name]["table"]), file=sys.stderr, flush=True)
+    return report
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Compiled serving, side by side", "", f"Command: `{results.get('command', '')}`", ""]
+    for key, run in results["runs"].items():
+        meta = results["meta"][key.split("/")[0]]
+        lines += [f"## {key}: {run['prompts']} prompts ({run['skipped_too_long']} longer than the static cache "
+                  f"skipped), 128 new tokens, greedy", "",
+                  f"CPU {meta['cpu']}; torch {meta['torch']}; {meta['threads']} thread(s); compile seconds "
+                  f"{meta['compile_s']}; fp32.", ""]
+        lines += run["table"] + [""]
+        for name, cost in meta["cost_models"].items():
+            lines.append(f"- {name}: {meta['rules'][name]}")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mtbench", type=int, default=80)
+    parser.add_argument("--code", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-window", type=int, default=4)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--drafter", default=str(REPO / "outputs" / "ppow-smollm2-offline" / "merged"))
+    parser.add_argument("--skip-hf-compiled", action="store_true")
+    parser.add_argument("--force", action="store_true")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    if not (Path(args.drafter) / "config.json").is_file():
+        raise SystemExit(f"No drafter at {args.drafter}: run the main job first (README), or pass --drafter FOLDER.")
+    results = json.loads(args.out.read_text()) if args.out.is_file() and not args.force else {"runs": {}, "meta": {}}
+    results["command"] = "python benchmarks/compiled_serving.py " + " ".join(sys.argv[1:])
+    for threads in args.threads:
+        key = f"threads{threads}"
+        if not args.force and any(k.startswith(key + "/") for k in results["runs"]):
+            print(f"{key}: already in {args.out} (--force to rerun)")
+            continue
+        command = [sys.executable, __file__, "--child", "--threads", str(threads), "--mtbench", str(args.mtbench),
+                   "--code", str(args.code), "--max-new-tokens", str(args.max_new_tokens), "--max-window",
+                   str(args.max_window), "--drafter", args.drafter] + (["--skip-hf-compiled"] if args.skip_hf_compiled else [])
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        if done.returncode:
+            raise SystemExit(f"{key} failed (exit {done.returncode}); see the log above.")
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        for set_name, run in report.pop("runs").items():
+            results["runs"][f"{key}/{set_name}"] = run
+        results["meta"][key] = report
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(results))
+    print(args.out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
