@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import time
+import warnings
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -108,7 +109,13 @@ def compile_context(settings: CompileSettings):
     its own weights) is still chosen, and the graphs come back from the disk cache (a tiny Llama: 67 s cold, 4.9 s
     warm). Only compiling sees the flag; the compiled kernels and eager code do not read it.
     """
-    with torch._inductor.config.patch(settings.options()), mock.patch.object(torch._C, "has_mkl", False):
+    import torch._inductor.select_algorithm as select_algorithm
+
+    with torch._inductor.config.patch(settings.options()), mock.patch.object(torch._C, "has_mkl", False), \
+            mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False), warnings.catch_warnings():
+        # Quiet: max-autotune prints a table per GEMM (hundreds) over the warm-up's progress bar (not part of the
+        # cache key, unlike inductor's config), and inductor's own use of a deprecated storage API warns.
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         yield
 
 
