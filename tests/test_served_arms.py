@@ -1,0 +1,62 @@
+"""Served configurations side by side (ppow_trl.bench.served): losslessness counted against the reference arm,
+speedups as ratios of total times with intervals that contain them, and a clear error for an unknown baseline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_target_and_drafters
+
+from ppow_trl.bench.served import Arm, compare_arms, format_arms, generate_arm, loop_arm
+from ppow_trl.windowing import AdaptiveWindowPolicy
+
+
+@pytest.fixture(scope="module")
+def arms():
+    target, random_drafter, close = make_target_and_drafters(seed=0)
+    stop = []  # never stops early: every arm generates the same number of tokens
+    return target, [
+        generate_arm("hf", target, stop, 0, "hf"),
+        loop_arm("plain", target, close, AdaptiveWindowPolicy(max_window=0), stop, 64, "plain"),
+        loop_arm("spec[close]", target, close, AdaptiveWindowPolicy(3, 0.0), stop, 64, "plain"),
+        loop_arm("spec[random]", target, random_drafter, AdaptiveWindowPolicy(3, 0.0), stop, 64, "plain"),
+    ]
+
+
+def test_greedy_arms_are_lossless_and_speedups_are_ratios_of_total_time(arms):
+    target, served = arms
+    prompts = [torch.randint(4, 64, (1, 5 + p), generator=torch.Generator().manual_seed(p)) for p in range(3)]
+    result = compare_arms(served, prompts, max_new_tokens=12, baselines=["plain", "hf"], eager_reference="hf",
+                          progress=False)
+    summary = result["arms"]
+    for label in ("plain", "spec[close]", "spec[random]"):
+        assert summary[label]["lossless_prompts"] == "3/3"
+        assert summary[label]["agrees_with_eager_prompts"] == "3/3"  # same eager kernels: same tokens as generate
+    assert summary["plain"]["tau"] == pytest.approx(1.0)
+    assert summary["spec[close]"]["tau"] > summary["spec[random]"]["tau"] >= 1.0
+    assert summary["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
+    records = result["records"]
+    total = lambda label: sum(r[label]["seconds"] for r in records)  # noqa: E731
+    assert summary["spec[close]"]["speedup_vs_hf"] == pytest.approx(total("hf") / total("spec[close]"))
+    for entry in summary.values():
+        low, high = entry["speedup_vs_hf_ci95"]
+        assert low <= high
+        low, high = entry["ms_per_token_ci95"]
+        assert low <= entry["ms_per_token_median"] <= high
+    table = format_arms(summary, ["plain", "hf"])
+    assert len(table) == 2 + len(served) and "3/3" in table[-1]
+
+
+def test_a_wrong_arm_is_counted_as_lossy(arms):
+    target, served = arms
+    wrong = Arm("wrong", lambda ids, n: ([0] * n, n), "plain")
+    prompts = [torch.randint(4, 64, (1, 6), generator=torch.Generator().manual_seed(9))]
+    result = compare_arms([served[1], wrong], prompts, max_new_tokens=8, baselines=["plain"],
+                          eager_reference="plain", progress=False, warmup=False)
+    assert result["arms"]["wrong"]["lossless_prompts"] == "0/1"
+
+
+def test_unknown_baseline_is_refused_before_any_run(arms):
+    _, served = arms
+    with pytest.raises(ValueError, match="not among the arms"):
+        compare_arms(served, [], max_new_tokens=4, baselines=["nope"])
