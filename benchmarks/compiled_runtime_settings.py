@@ -1,12 +1,14 @@
 """Choose the compiled runtime's inductor settings by measurement (ppow_trl.compiled).
 
 For each setting: cold compile seconds (empty inductor cache), warm start seconds (a new process, the cache filled),
-the one-token step t_t and verify costs t_v(L) for L = 2..5 rows, on SmolLM2-135M-Instruct fp32, one thread, a
+the one-token step t_t and verify costs t_v(L) for L = 2..5 rows, on SmolLM2-135M-Instruct (fp32 weights, or bf16 for
+settings named ``bf16:<setting>``), one thread, a
 static cache of 256 positions, measured after a 64-token prompt; the eager row is transformers' eager forward over
 its dynamic cache, as the serving loop ran it before. Row counts are interleaved in each repetition, and every
 figure is a median. Each setting runs in child processes, so that compiling one cannot warm another.
 
     python benchmarks/compiled_runtime_settings.py [--settings eager,freezing,freezing+max-autotune] [--reps 30]
+    python benchmarks/compiled_runtime_settings.py --settings bf16:eager,bf16:freezing+max-autotune --append
 
 Writes benchmarks/results/compiled_runtime_settings.json and .md.
 """
@@ -29,6 +31,13 @@ SETTINGS = {
     "freezing": {"freezing": True},
     "freezing+max-autotune": {"freezing": True, "max_autotune": True, "gemm_backends": "CPP,ATEN"},
 }
+# A setting may name a weight dtype: "bf16:eager", "bf16:freezing+max-autotune" (fewer bytes per decoded token).
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _split(name: str) -> tuple[str, str]:
+    dtype, _, setting = name.rpartition(":")
+    return DTYPES[dtype or "fp32"], setting
 MAX_ROWS = 5
 PROMPT = 64
 
@@ -43,12 +52,13 @@ def child(name: str, reps: int) -> dict:
     from ppow_trl.utils import crop_cache
 
     torch.set_num_threads(1)
-    target = load_target(smollm2_path()).eval()
+    dtype, setting = _split(name)
+    target = load_target(smollm2_path()).eval().to(getattr(torch, dtype))
     compile_s = 0.0
     model = target
-    if SETTINGS[name] is not None:
+    if SETTINGS[setting] is not None:
         model = CompiledCausalLM(target, max_rows=MAX_ROWS, max_cache_len=256,
-                                 settings=CompileSettings(**SETTINGS[name]))
+                                 settings=CompileSettings(**SETTINGS[setting]))
         compile_s = model.warm_up(progress=False)
     prompt = torch.randint(100, 40000, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     times = {rows: [] for rows in range(1, MAX_ROWS + 1)}
@@ -65,7 +75,7 @@ def child(name: str, reps: int) -> dict:
                 if rep >= 2:  # two warm-up repetitions
                     times[rows].append(elapsed)
     medians = {rows: statistics.median(values) for rows, values in times.items()}
-    return {"setting": name, "compile_s": round(compile_s, 1), "t_t_ms": round(medians[1], 2),
+    return {"setting": name, "dtype": dtype, "compile_s": round(compile_s, 1), "t_t_ms": round(medians[1], 2),
             **{f"t_v{rows}/t_t": round(medians[rows] / medians[1], 3) for rows in range(2, MAX_ROWS + 1)}}
 
 
@@ -88,6 +98,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compiled_runtime_settings.json")
+    parser.add_argument("--append", action="store_true", help="keep the rows already in --out (other settings)")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.reps)))
@@ -97,10 +108,13 @@ def main() -> int:
     from benchmarks.llama_cpp_amx_build import cpu_description
 
     rows = []
+    if args.append and args.out.is_file():
+        asked = set(args.settings.split(","))
+        rows = [row for row in json.loads(args.out.read_text())["rows"] if row["setting"] not in asked]
     for name in args.settings.split(","):
         with tempfile.TemporaryDirectory(prefix="inductor-") as cache_dir:
             cold = run_child(name, args.reps, cache_dir)
-            warm = run_child(name, args.reps, cache_dir) if SETTINGS[name] is not None else None
+            warm = run_child(name, args.reps, cache_dir) if SETTINGS[_split(name)[1]] is not None else None
         row = {**cold, "cold_compile_s": cold["compile_s"], "warm_start_s": warm["compile_s"] if warm else 0.0}
         if warm:  # the second process's timings: the same kernels, a second sample of the machine
             row["warm_t_t_ms"] = warm["t_t_ms"]
@@ -111,10 +125,10 @@ def main() -> int:
 
     report = {"command": "python benchmarks/compiled_runtime_settings.py " + " ".join(sys.argv[1:]),
               "cpu": cpu_description(), "torch": torch.__version__,
-              "setup": f"SmolLM2-135M-Instruct fp32, 1 thread, static cache 256, {PROMPT}-token prompt, "
+              "setup": f"SmolLM2-135M-Instruct (dtype per row), 1 thread, static cache 256, {PROMPT}-token prompt, "
                        f"{args.reps} interleaved repetitions, medians", "rows": rows}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    keys = ["setting", "cold_compile_s", "warm_start_s", "t_t_ms"] + [f"t_v{r}/t_t" for r in range(2, MAX_ROWS + 1)]
+    keys = ["setting", "cold_compile_s", "warm_start_s", "t_t_ms", "warm_t_t_ms"] + [f"t_v{r}/t_t" for r in range(2, MAX_ROWS + 1)]
     lines = [f"CPU: {report['cpu']}; {report['setup']}; torch {report['torch']}.", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(row.get(k, "")) for k in keys) + " |" for row in rows]

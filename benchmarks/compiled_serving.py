@@ -128,6 +128,7 @@ def child(args) -> dict:
         hf_compile_s = time.perf_counter() - start
 
     report = {"cpu": cpu_description(), "torch": torch.__version__, "threads": threads, "runs": {},
+              "max_new_tokens": args.max_new_tokens, "drafter": str(args.drafter),
               "compile_s": {"ppow_trl_runtime": round(compile_s, 1), "hf_generate_compiled": hf_compile_s and round(hf_compile_s, 1),
                             "inductor_cache": "empty (cold)" if cache_was_empty else "filled (warm)"},
               "cost_models": {name: {"runtime": c.runtime, "t_d/t_t": round(c.drafter_cost, 4),
@@ -154,7 +155,7 @@ def markdown(results: dict) -> str:
     for key, run in results["runs"].items():
         meta = results["meta"][key.split("/")[0]]
         lines += [f"## {key}: {run['prompts']} prompts ({run['skipped_too_long']} longer than the static cache "
-                  f"skipped), 128 new tokens, greedy", "",
+                  f"skipped), {meta.get('max_new_tokens', 128)} new tokens, greedy", "",
                   f"CPU {meta['cpu']}; torch {meta['torch']}; {meta['threads']} thread(s); compile seconds "
                   f"{meta['compile_s']}; fp32.", ""]
         lines += run["table"] + [""]

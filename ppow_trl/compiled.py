@@ -121,6 +121,8 @@ def compile_context(settings: CompileSettings):
 
 _STATIC_CACHES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 """model -> {max_cache_len: StaticCache}: the one static cache of each model and length (``new_cache``)."""
+_SETTINGS: "weakref.WeakKeyDictionary[torch.nn.Module, CompileSettings]" = weakref.WeakKeyDictionary()
+"""model -> the settings its graphs were compiled with in this process."""
 
 
 class CompiledCausalLM(torch.nn.Module):
@@ -134,6 +136,13 @@ class CompiledCausalLM(torch.nn.Module):
         self.model = model.eval()
         self.max_rows, self.max_cache_len = int(max_rows), int(max_cache_len)
         self.settings = settings or CompileSettings()
+        # Dynamo's guards do not see inductor's settings: a second runtime over this model with other settings would
+        # run the first one's graphs. One set of settings per model in a process (torch._dynamo.reset() to change).
+        first = _SETTINGS.setdefault(self.model, self.settings)
+        if first != self.settings:
+            raise ValueError(f"This model was already compiled with {first.label()} in this process; a runtime with "
+                             f"{self.settings.label()} would run those graphs. Use the same settings, or call "
+                             "torch._dynamo.reset() and compile again.")
         self.cache_dir = use_compile_cache(self.settings)
         # One compiled function; dynamo compiles one graph per row count (dynamic=False) and guards on the shape.
         # Every graph of every compiled model shares dynamo's per-code recompile limit (8 by default).
@@ -153,7 +162,8 @@ class CompiledCausalLM(torch.nn.Module):
             return getattr(self._modules["model"], name)
 
     def new_cache(self):
-        """The runtime's ``StaticCache`` of ``max_cache_len`` positions, emptied: one sequence at a time. Allocated
+        """The runtime's ``StaticCache`` of ``max_cache_len`` positions, emptied: one sequence at a time (a sequence
+        in flight on this model is lost: a call with ``cache=None`` starts a new one). Allocated
         once per (model, ``max_cache_len``), outside any compiled graph: dynamo reuses a graph compiled for a model
         with any static cache of the same shape, and that graph writes into the cache it was compiled with (found
         when a second runtime over the same model decoded into the first one's cache), so every runtime over one
@@ -180,6 +190,8 @@ class CompiledCausalLM(torch.nn.Module):
         """The model's forward. One unpadded sequence over the runtime's static cache runs the compiled graph of its
         row count (``rows <= max_rows``), else the eager model over the same cache (a prefill, a feature read).
         Batches and caches that are not the runtime's go to the eager model as they are (calibration rollouts)."""
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError("The compiled runtime takes input_ids of shape (batch, tokens) (no inputs_embeds).")
         batch, rows = input_ids.shape
         if batch != 1 or (cache is not None and cache is not _STATIC_CACHES.get(self.model, {}).get(self.max_cache_len)):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -194,8 +206,8 @@ class CompiledCausalLM(torch.nn.Module):
                              "Build the runtime with a larger max_cache_len.")
         kwargs.pop("use_cache", None)
         kwargs.pop("return_dict", None)
-        if rows > self.max_rows or kwargs:
-            # the prompt's prefill, feature reads (output_hidden_states): eager, over the same cache
+        if rows > self.max_rows or kwargs or not isinstance(logits_to_keep, int):
+            # the prompt's prefill, feature reads (output_hidden_states), index tensors: eager, over the same cache
             return self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
                               logits_to_keep=logits_to_keep, **kwargs)
         # Fresh standard strides (dynamo guards on strides: a slice of a longer tensor would recompile), made outside
@@ -206,7 +218,7 @@ class CompiledCausalLM(torch.nn.Module):
                             if position_ids is None
                             else position_ids.reshape(1, rows).clone(memory_format=torch.contiguous_format))
             out = self._call_compiled(input_ids, position_ids, cache)
-        if isinstance(logits_to_keep, int) and 0 < logits_to_keep < rows:
+        if 0 < logits_to_keep < rows:
             # One graph per row count computes every row's logits: with the C++ GEMM template the lm head costs
             # about the same for 1 to 3 rows, and a graph per (rows, kept) pair would double the compile time.
             out.logits = out.logits[:, -logits_to_keep:]

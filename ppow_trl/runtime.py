@@ -6,8 +6,9 @@ through it: the costs a rule is chosen on are the costs of the runtime that serv
 
 - ``"compiled"``: the target (and a drafter whose family ``compiles``: a causal LM over its own KV cache) become
   ``CompiledCausalLM``s with ``K + 1`` row counts over a static cache of ``max_cache_len`` positions, warmed up with
-  a progress bar (from the on-disk inductor cache when it holds them). Other drafters (EAGLE-3, DFlash, prompt lookup)
-  draft eagerly next to the compiled target.
+  a progress bar (from the on-disk inductor cache when it holds them). Prompt lookup drafts on the host next to the
+  compiled target. Drafters that read the target's hidden states (EAGLE-3, DFlash) serve eagerly, said as a
+  fallback: the compiled graphs do not return hidden states yet.
 - ``"eager"``: the models as they are.
 
 When compiling is not possible (no C++ compiler, a model inductor cannot trace, a failed warm-up), one warning line
@@ -18,6 +19,7 @@ says why and the models serve eagerly: a user gets a slower answer, never a cras
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 
@@ -58,14 +60,27 @@ def check_runtime(runtime: str) -> str:
     return runtime
 
 
-def compile_unavailable_reason(model) -> str | None:
-    """Why this process cannot compile ``model`` for the CPU serving runtime, or ``None``."""
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        return f"the compiled runtime is built for CPUs; the model is on {device.type}"
-    if not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
-        return "no C++ compiler on PATH (inductor's CPU kernels need one: apt install g++)"
+def compile_unavailable_reason(target, drafter=None) -> str | None:
+    """Why this process cannot serve ``target`` (and ``drafter``) on the compiled CPU runtime, or ``None``."""
+    for name, model in (("target", target), ("drafter", drafter)):
+        parameter = next(model.parameters(), None) if hasattr(model, "parameters") else None
+        if parameter is not None and parameter.device.type != "cpu":
+            return f"the compiled runtime is built for CPUs; the {name} is on {parameter.device.type}"
+    if drafter is not None and _reads_target_features(drafter):
+        # Their verification asks the target for hidden states, which the compiled graphs do not return: a target
+        # compiled without them would be timed fast and served slow.
+        return "the drafter reads the target's hidden states (EAGLE-3, DFlash), which the compiled graphs do not return"
+    compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+    if not any(shutil.which(name) for name in compilers if name):
+        return "no C++ compiler on PATH (inductor's CPU kernels need one: apt install g++, or set CXX)"
     return None
+
+
+def _reads_target_features(drafter) -> bool:
+    try:
+        return family_of(drafter).target_layer_ids(drafter) is not None
+    except (ValueError, TypeError):
+        return False
 
 
 def _drafter_compiles(drafter) -> bool:
@@ -83,9 +98,12 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
     """``target`` and ``drafter`` on ``runtime`` (module docstring); compiled models are warmed up before returning,
     so that nothing compiles inside the served loop."""
     check_runtime(runtime)
+    if not isinstance(max_window, int) or max_window < 0 or max_cache_len < max_window + 2:
+        raise ValueError(f"serving_runtime needs an integer max_window >= 0 and max_cache_len > max_window + 1, got "
+                         f"max_window={max_window!r}, max_cache_len={max_cache_len!r}.")
     if runtime == "eager":
         return ServingRuntime(target, drafter, "eager", runtime)
-    reason = compile_unavailable_reason(target)
+    reason = compile_unavailable_reason(target, drafter)
     if reason is None:
         settings = settings or CompileSettings()
         try:

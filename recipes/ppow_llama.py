@@ -353,8 +353,12 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
     result = [None, None]
     serving = None
     if trainer.accelerator.is_main_process:
+        # The static cache holds the longest held-out context (the cost model times the median one) plus an
+        # evaluation's new tokens and a window; evaluation prompts longer than that are skipped, and said so.
+        longest = max(len(p) + len(r) for p, r in zip(calibration_data["prompt_ids"], calibration_data["response_ids"]))
+        needed = max(longest, 256) + training_args.eval_max_new_tokens + training_args.max_window + 1
         serving = serving_runtime(trainer.target, drafter.eval(), runtime=training_args.runtime,
-                                  max_window=training_args.max_window)
+                                  max_window=training_args.max_window, max_cache_len=-(-needed // 64) * 64)
         logger.info("Serving runtime: %s", serving.describe())
         contexts = held_out_contexts(calibration_data["prompt_ids"], calibration_data["response_ids"],
                                      training_args.calibration_contexts_per_response,
@@ -426,8 +430,12 @@ def evaluate_served(serving, target, tokenizer, trainer, script_args, training_a
     stop_ids = stop_token_ids(target, tokenizer)
     room = serving.target.max_cache_len if serving.name == "compiled" else None
     if room is not None:  # prompts that do not fit the static cache are not served on it
-        prompt_ids = [ids for ids in prompt_ids
-                      if ids.shape[1] + training_args.eval_max_new_tokens + training_args.max_window + 1 <= room]
+        fitting = [ids for ids in prompt_ids
+                   if ids.shape[1] + training_args.eval_max_new_tokens + training_args.max_window + 1 <= room]
+        if len(fitting) < len(prompt_ids):
+            print(f"{len(prompt_ids) - len(fitting)} of {len(prompt_ids)} evaluation prompts do not fit the static "
+                  f"cache of {room} positions: skipped in the side-by-side comparison.")
+        prompt_ids = fitting
     if not prompt_ids:
         return {}
     name, vocab = serving.name, trainer.vocab_size

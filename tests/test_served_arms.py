@@ -3,6 +3,8 @@ speedups as ratios of total times with intervals that contain them, and a clear 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import make_target_and_drafters
@@ -29,14 +31,17 @@ def test_greedy_arms_are_lossless_and_speedups_are_ratios_of_total_time(arms):
     result = compare_arms(served, prompts, max_new_tokens=12, baselines=["plain", "hf"], eager_reference="hf",
                           progress=False)
     summary = result["arms"]
-    for label in ("plain", "spec[close]", "spec[random]"):
+    assert summary["plain"]["lossless_prompts"] == "reference"
+    for label in ("spec[close]", "spec[random]"):
         assert summary[label]["lossless_prompts"] == "3/3"
+    for label in ("plain", "spec[close]", "spec[random]"):
         assert summary[label]["agrees_with_eager_prompts"] == "3/3"  # same eager kernels: same tokens as generate
     assert summary["plain"]["tau"] == pytest.approx(1.0)
     assert summary["spec[close]"]["tau"] > summary["spec[random]"]["tau"] >= 1.0
     assert summary["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
     records = result["records"]
     total = lambda label: sum(r[label]["seconds"] for r in records)  # noqa: E731
+    # the same tokens (lossless, no early stop): the throughput ratio is the ratio of total times
     assert summary["spec[close]"]["speedup_vs_hf"] == pytest.approx(total("hf") / total("spec[close]"))
     for entry in summary.values():
         low, high = entry["speedup_vs_hf_ci95"]
@@ -45,6 +50,15 @@ def test_greedy_arms_are_lossless_and_speedups_are_ratios_of_total_time(arms):
         assert low <= entry["ms_per_token_median"] <= high
     table = format_arms(summary, ["plain", "hf"])
     assert len(table) == 2 + len(served) and "3/3" in table[-1]
+
+
+def test_speedup_is_a_throughput_ratio_when_arms_generate_different_lengths():
+    slow_long = Arm("base", lambda ids, n: (time.sleep(0.02) or [1] * 8, 8), "base")
+    fast_short = Arm("short", lambda ids, n: (time.sleep(0.01) or [1] * 2, 2), "base")
+    result = compare_arms([slow_long, fast_short], [torch.ones((1, 2), dtype=torch.long)] * 2, max_new_tokens=8,
+                          baselines=["base"], eager_reference="base", progress=False, warmup=False)
+    # half the time for a quarter of the tokens: half the throughput, not 2x
+    assert result["arms"]["short"]["speedup_vs_base"] == pytest.approx(0.5, rel=0.3)
 
 
 def test_a_wrong_arm_is_counted_as_lossy(arms):
@@ -59,4 +73,6 @@ def test_a_wrong_arm_is_counted_as_lossy(arms):
 def test_unknown_baseline_is_refused_before_any_run(arms):
     _, served = arms
     with pytest.raises(ValueError, match="not among the arms"):
-        compare_arms(served, [], max_new_tokens=4, baselines=["nope"])
+        compare_arms(served, [torch.ones((1, 3), dtype=torch.long)], max_new_tokens=4, baselines=["nope"])
+    with pytest.raises(ValueError, match="at least one prompt"):
+        compare_arms(served, [], max_new_tokens=4, baselines=["plain"])

@@ -7,9 +7,9 @@ served rule). ``compare_arms`` runs every arm on every prompt, back to back in a
 prompt (a burst of load on a shared machine lands on all arms alike), and summarises each arm:
 
 - ``ms_per_token``: median over prompts of seconds / new tokens, with a 95% bootstrap interval;
-- ``speedup_vs_<baseline>``: ``sum_p t_baseline(p) / sum_p t_arm(p)`` over prompts (a ratio of total times, what a
-  user serving these prompts sees; every greedy arm generates the same tokens when lossless), with a 95% bootstrap
-  interval over prompts;
+- ``speedup_vs_<baseline>``: the ratio of throughputs over all prompts, ``(sum_p n_arm(p) / sum_p t_arm(p)) /
+  (sum_p n_baseline(p) / sum_p t_baseline(p))`` (new tokens per second; when both arms generate the same tokens, the
+  ratio of total times), with a 95% bootstrap interval over prompts;
 - ``tau``: new tokens per verification forward (``ppow_trl.metrics``);
 - ``lossless_prompts``: prompts whose tokens equal the reference arm's (the plain arm of the same runtime and
   precision), as ``"k/n"``; ``agrees_with_eager_prompts``: the same against eager plain decoding (the kernels differ
@@ -75,7 +75,7 @@ def _bootstrap(values_by_prompt: list, statistic: Callable, seed: int = 0, draws
     return results[int(0.025 * draws)], results[int(0.975 * draws) - 1]
 
 
-def _first_tokens_equal(tokens, reference) -> bool:
+def _same_tokens(tokens, reference) -> bool:
     return list(tokens) == list(reference)
 
 
@@ -86,6 +86,8 @@ def compare_arms(arms: list[Arm], prompt_ids: list[torch.Tensor], *, max_new_tok
     from tqdm.auto import tqdm
 
     labels = [arm.label for arm in arms]
+    if not prompt_ids:
+        raise ValueError("compare_arms needs at least one prompt.")
     missing = [name for name in baselines + [arm.reference for arm in arms] + [eager_reference or labels[0]]
                if name not in labels]
     if missing:
@@ -113,13 +115,19 @@ def compare_arms(arms: list[Arm], prompt_ids: list[torch.Tensor], *, max_new_tok
             "ms_per_token_median": statistics.median(ms),
             "ms_per_token_ci95": _bootstrap(ms, statistics.median),
             "tau": sum(len(p["tokens"]) for p in per_prompt) / max(1, sum(p["verify_forwards"] for p in per_prompt)),
-            "lossless_prompts": f"{sum(_first_tokens_equal(r[arm.label]['tokens'], r[arm.reference]['tokens']) for r in records)}/{len(records)}",
-            "agrees_with_eager_prompts": f"{sum(_first_tokens_equal(r[arm.label]['tokens'], r[eager_reference or labels[0]]['tokens']) for r in records)}/{len(records)}",
+            "lossless_prompts": "reference" if arm.reference == arm.label else
+            f"{sum(_same_tokens(r[arm.label]['tokens'], r[arm.reference]['tokens']) for r in records)}/{len(records)}",
+            "agrees_with_eager_prompts": f"{sum(_same_tokens(r[arm.label]['tokens'], r[eager_reference or labels[0]]['tokens']) for r in records)}/{len(records)}",
             "new_tokens": sum(len(p["tokens"]) for p in per_prompt),
         }
         for baseline in baselines:
-            pairs = [(r[baseline]["seconds"], r[arm.label]["seconds"]) for r in records]
-            ratio = lambda sample: sum(b for b, _ in sample) / sum(a for _, a in sample)  # noqa: E731
+            pairs = [(r[baseline]["seconds"], max(1, len(r[baseline]["tokens"])), r[arm.label]["seconds"],
+                      max(1, len(r[arm.label]["tokens"]))) for r in records]
+
+            def ratio(sample):  # throughput of the arm over the baseline's, over the sampled prompts
+                return (sum(n for _, _, _, n in sample) / sum(t for _, _, t, _ in sample)) / (
+                    sum(n for _, n, _, _ in sample) / sum(t for t, _, _, _ in sample))
+
             entry[f"speedup_vs_{baseline}"] = ratio(pairs)
             entry[f"speedup_vs_{baseline}_ci95"] = _bootstrap(pairs, ratio)
         summary[arm.label] = entry

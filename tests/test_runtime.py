@@ -1,0 +1,56 @@
+"""Choosing the serving runtime (ppow_trl.runtime) without compiling anything: arguments checked first, and every
+reason not to compile gives the eager models with one warning line, never a crash."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_target_and_drafters
+
+from ppow_trl import runtime as runtime_module
+from ppow_trl.runtime import compile_unavailable_reason, serving_runtime
+
+
+@pytest.fixture(scope="module")
+def models():
+    target, _, close = make_target_and_drafters(seed=0)
+    return target, close
+
+
+def test_a_failed_compile_serves_eagerly_with_one_line(models, monkeypatch, caplog):
+    target, close = models
+
+    def broken(self, progress=True):
+        raise RuntimeError("inductor failed\nlong traceback")
+
+    monkeypatch.setattr(runtime_module, "compile_unavailable_reason", lambda *models: None)
+    monkeypatch.setattr(runtime_module.CompiledCausalLM, "warm_up", broken)
+    with caplog.at_level("WARNING"):
+        served = serving_runtime(target, close, runtime="compiled", max_window=2, progress=False)
+    assert served.name == "eager" and served.requested == "compiled"
+    assert served.target is target and served.drafter is close
+    assert served.fallback == "RuntimeError: inductor failed"
+    assert "serving eagerly" in caplog.text and "long traceback" not in caplog.text
+    assert "compiled unavailable: RuntimeError" in served.describe()
+
+
+def test_reasons_not_to_compile(models, monkeypatch):
+    target, close = models
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    assert "no C++ compiler" in compile_unavailable_reason(target, close)
+    served = serving_runtime(target, close, runtime="compiled", max_window=2, progress=False)
+    assert served.name == "eager" and "no C++ compiler" in served.fallback
+    monkeypatch.setattr(runtime_module, "_reads_target_features", lambda drafter: True)
+    assert "hidden states" in compile_unavailable_reason(target, close)
+
+
+def test_bad_arguments_fail_before_anything_compiles(models):
+    target, close = models
+    assert serving_runtime(target, close, runtime="eager", max_window=2).target is target
+    with pytest.raises(ValueError, match="runtime must be one of"):
+        serving_runtime(target, close, runtime="fast", max_window=2)
+    with pytest.raises(ValueError, match="max_window >= 0"):
+        serving_runtime(target, close, runtime="compiled", max_window=-1)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        serving_runtime(target, close, runtime="compiled", max_window=4, max_cache_len=4)
