@@ -88,10 +88,18 @@ def compile_cache_dir(settings: CompileSettings, root: Path | None = None) -> Pa
 
 
 def use_compile_cache(settings: CompileSettings) -> Path:
-    """Point inductor's on-disk cache at ``compile_cache_dir(settings)`` (unless ``TORCHINDUCTOR_CACHE_DIR`` is set by
-    the user) before anything compiles; returns the folder in use."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") and not os.environ.get("PPOW_TRL_INDUCTOR_CACHE_SET"):
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    """Point inductor's on-disk cache at ``compile_cache_dir(settings)`` before anything compiles, unless the user
+    chose a folder with ``TORCHINDUCTOR_CACHE_DIR``; returns the folder in use.
+
+    Inductor writes its default (``/tmp/torchinductor_<user>``) into ``TORCHINDUCTOR_CACHE_DIR`` the first time it
+    asks for its cache folder, so a value equal to that default is not a user's choice: left alone, the compiled
+    graphs went to /tmp, which a reboot or a fresh machine empties."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    ours = os.environ.get("PPOW_TRL_INDUCTOR_CACHE_SET")
+    if current and not ours and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
+        return Path(current)
     folder = compile_cache_dir(settings)
     folder.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)

@@ -100,6 +100,8 @@ sys.path.insert(0, {tests!r})
 from conftest import make_target_and_drafters
 from torch._dynamo.utils import counters
 from ppow_trl.compiled import CompiledCausalLM
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+cache_dir()  # what an earlier compile or import does: inductor writes its /tmp default into the environment
 torch.set_num_threads(1)
 target, _, _ = make_target_and_drafters(seed=0, noise=0.02)
 CompiledCausalLM(target, max_rows=2, max_cache_len=32).warm_up(progress=False)
@@ -126,6 +128,8 @@ def test_a_second_process_finds_the_graphs_in_the_disk_cache(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     cold, warm = runs
+    # the graphs live under the cache root (not inductor's /tmp default, which inductor writes into the environment)
+    assert any((tmp_path / "inductor").glob("*/fxgraph/*"))
     assert cold.get("fxgraph_cache_miss") == 2 and not cold.get("fxgraph_cache_bypass")
     assert warm.get("fxgraph_cache_hit") == 2 and not warm.get("fxgraph_cache_miss") and not warm.get("fxgraph_cache_bypass")
 
