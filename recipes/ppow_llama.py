@@ -38,7 +38,7 @@ from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_cover
 from ppow_trl.model_card import PROTOCOL
 from ppow_trl.runtime import serving_runtime
 from ppow_trl.serving import calibrate_for_serving
-from ppow_trl.utils import cache_root, set_cpu_threads
+from ppow_trl.utils import cache_root, save_json, set_cpu_threads
 from ppow_trl.windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger("ppow_llama")
@@ -323,6 +323,9 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
             logger.info("%s exported in the %s layout to %s", family.description, script_args.export_format, folder)
         summary = evaluate_drafter(target, tokenizer, standalone, trainer, script_args, training_args)
         served = evaluate_served(serving, target, tokenizer, trainer, script_args, training_args)
+        if served:  # the side-by-side figures, next to the drafter they were measured with
+            save_json({k: v for k, v in served.items() if k != "table"}, training_args.output_dir,
+                      "ppow_served_evaluation.json")
         trainer.model_card_info = {
             "target": script_args.target_model,
             "drafter": family.describe(drafter) + _source_suffix(script_args),

@@ -56,6 +56,8 @@ def test_main_job_saves_a_drafter_and_its_served_rule(main_job):
     policy = json.loads((merged / "ppow_window_policy.json").read_text())
     assert "serving_rule" in policy["calibration"]
     assert "served rule:" in stdout and "lossless 1/1" in stdout
+    served = json.loads((out / "ppow_served_evaluation.json").read_text())  # side by side on the serving runtime
+    assert served["runtime"] == "eager" and served["arms"]["eager_speculative[served rule]"]["lossless_prompts"] == "1/1"
     assert (cache / "SmolLM2-135M-Instruct" / "model.safetensors").is_file()  # converted once, into the new cache
 
 
