@@ -125,10 +125,12 @@ class PPOWConfig(GRPOConfig):
 
         target_quantization (`str`, *optional*):
             `None`, `"4bit"` or `"8bit"` (bitsandbytes): how a target given by name is loaded.
-        runtime (`str`, *optional*, defaults to `"compiled"`):
-            The runtime the served rule's costs are measured on and the evaluation serves on (`ppow_trl.runtime`):
-            `"compiled"` (inductor over a static KV cache, on CPUs; compiled once and cached on disk, eager with a
-            one-line message where compiling is not possible) or `"eager"`. Training always runs eagerly.
+        runtime (`str`, *optional*, defaults to `"eager"`):
+            The runtime the cost model (the speed reward's, and the served rule's) is measured on and the recipe's
+            evaluation serves on (`ppow_trl.runtime`): `"compiled"` (inductor over a static KV cache, on CPUs;
+            minutes to compile once per machine, then cached on disk; eager with a one-line message where compiling
+            is not possible) or `"eager"`. The recipe's offline default sets `"compiled"`. Training always runs
+            eagerly.
     """
 
     max_window: int = field(default=8, metadata={"help": "K, the most tokens drafted per window."})
@@ -159,7 +161,7 @@ class PPOWConfig(GRPOConfig):
     selection_refresh_steps: int = field(default=50, metadata={"help": "Rescore every N optimizer steps."})
     selection_refresh_sequences: int = field(default=64, metadata={"help": "Sequences rescored per refresh."})
     target_quantization: str | None = field(default=None, metadata={"help": "None, '4bit' or '8bit'."})
-    runtime: str = field(default="compiled", metadata={"help": "Serving runtime: 'compiled' or 'eager'."})
+    runtime: str = field(default="eager", metadata={"help": "Serving runtime: 'compiled' or 'eager'."})
 
     # Defaults that differ from GRPOConfig, with the reason.
     # Drafters are small: activation checkpointing costs time and saves little memory.

@@ -11,6 +11,7 @@ probabilities.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from pathlib import Path
@@ -34,6 +35,7 @@ from .models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
 from .held_out import held_out_tau_counts, held_out_window_metrics
 from .rewards import divergence
+from .runtime import serving_runtime
 from .cached_verification import cached_next_tokens, verify_windows_from_cache
 from .rollout import VerifiedWindows, verify_windows, window_rewards
 from .window_logprobs import install_loss_route
@@ -212,13 +214,28 @@ class PPOWTrainer(GRPOTrainer):
         if self.accelerator.is_main_process:
             with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter, _eval_mode(drafter):
                 check_same_device(self.target, drafter)
-                measured = [calibrate_cost_model(self.target, drafter, self.args.max_window)]
+                measured = [self._measure_cost_model(drafter)]
             measured[0].description = ("measured by PPOWTrainer before its first rollout (main process): "
                                        + measured[0].description)
         if self.accelerator.num_processes > 1:
             # The whole object (raw seconds and description included), not only the ratios.
             broadcast_object_list(measured, from_process=0)
         return measured[0]
+
+    def _measure_cost_model(self, drafter) -> CostModel:
+        """``t_d``, ``t_v(L)`` on the runtime that will serve (``args.runtime``), so that the speed reward pays for
+        what serving costs: on the compiled runtime, the target and a merged copy of the drafter (its costs do not
+        depend on the weights LoRA changes) are compiled, once per machine with the disk cache."""
+        if self.args.runtime == "eager":
+            return calibrate_cost_model(self.target, drafter, self.args.max_window)
+        timed = copy.deepcopy(unwrap_model(drafter))
+        timed = timed.merge_and_unload() if hasattr(timed, "merge_and_unload") else timed
+        runtime = serving_runtime(self.target, timed.eval(), runtime=self.args.runtime, max_window=self.args.max_window)
+        with torch.no_grad():
+            cost_model = calibrate_cost_model(runtime.target, runtime.drafter, self.args.max_window)
+        cost_model.runtime = runtime.name
+        cost_model.description += f"; runtime {runtime.describe()}"
+        return cost_model
 
     # ------------------------------------------------------------------ sampling of contexts
 

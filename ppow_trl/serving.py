@@ -61,6 +61,9 @@ def calibrate_for_serving(
     lengths = [len(c) for c in contexts]
     typical = contexts[lengths.index(sorted(lengths)[len(lengths) // 2])]
     timed_target, timed_drafter = (target, drafter) if runtime is None else (runtime.target, runtime.drafter)
+    room = getattr(timed_target, "max_cache_len", None)
+    if room is not None and len(typical) + max_window + 1 > room:  # a static cache: time its last positions
+        typical = typical[-(room - max_window - 1):]
     cost_model = calibrate_cost_model(timed_target, timed_drafter, max_window, context_ids=typical.view(1, -1),
                                       repeats=cost_repeats, seed=seed)
     cost_model.runtime = "eager" if runtime is None else runtime.name

@@ -356,12 +356,9 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
     result = [None, None]
     serving = None
     if trainer.accelerator.is_main_process:
-        # The static cache holds the longest held-out context (the cost model times the median one) plus an
-        # evaluation's new tokens and a window; evaluation prompts longer than that are skipped, and said so.
-        longest = max(len(p) + len(r) for p, r in zip(calibration_data["prompt_ids"], calibration_data["response_ids"]))
-        needed = max(longest, 256) + training_args.eval_max_new_tokens + training_args.max_window + 1
+        # The trainer's cost model was measured on the same runtime (same static cache length): no new compile.
         serving = serving_runtime(trainer.target, drafter.eval(), runtime=training_args.runtime,
-                                  max_window=training_args.max_window, max_cache_len=-(-needed // 64) * 64)
+                                  max_window=training_args.max_window)
         logger.info("Serving runtime: %s", serving.describe())
         contexts = held_out_contexts(calibration_data["prompt_ids"], calibration_data["response_ids"],
                                      training_args.calibration_contexts_per_response,

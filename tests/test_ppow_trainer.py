@@ -357,3 +357,22 @@ def test_cached_greedy_rewards_train_exactly_like_target_verified_ones(tmp_path,
     assert all(h["ppow/target_verified_share"] == 1.0 for h in logs["target"])
     assert all(h["ppow/target_verified_share"] < 0.5 for h in logs["cache"])
     assert sum(h["ppow/expected_accepted"] for h in logs["cache"]) > 0
+
+
+@pytest.mark.slow
+def test_speed_reward_costs_are_measured_on_the_serving_runtime(tmp_path, bigram):
+    """With runtime="compiled" the cost model the speed reward divides by is timed on the compiled runtime (the
+    target and a merged copy of the drafter), and says so; the drafter under training is left as it was."""
+    from ppow_trl.runtime import compile_unavailable_reason
+
+    table, target = bigram
+    if compile_unavailable_reason(target) is not None:
+        pytest.skip("inductor cannot compile here")
+    drafter = noisy_drafter(table)
+    args = config(tmp_path, drafter_cost=None, verify_cost=None, runtime="compiled", max_window=2)
+    trainer = PPOWTrainer(model=drafter, target_model=target, args=args, train_dataset=response_dataset(target, count=8),
+                          processing_class=make_tiny_tokenizer())
+    cost = trainer.cost_model
+    assert cost.runtime == "compiled" and "runtime compiled (inductor" in cost.description
+    assert len(cost.verify_cost) == 3 and cost.drafter_cost > 0
+    assert not any(type(m).__name__ == "CompiledCausalLM" for m in trainer.model.modules())
