@@ -8,6 +8,7 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
   ``fullgraph``, static shapes, freezing + max-autotune options), transformers' documented route; on a CPU it needs
   ``compile_config._compile_all_devices = True``;
 - ``compiled_plain[fp32]``: ppow_trl's loop without a drafter on the compiled runtime (``ppow_trl.runtime``);
+- ``compiled_plain[bf16]`` (``--bf16-plain``): the same with the target's weights in bf16;
 - ``compiled_speculative[<drafter>]``: the loop with a drafter and the rule ``calibrate_for_serving`` chooses on the
   compiled runtime's measured costs (the main job's drafter, prompt lookup); when that rule is K = 0 the best rule
   that speculates is also timed, as ``compiled_speculative[<drafter>:best_speculative]``.
@@ -19,6 +20,7 @@ Results are written after each (threads, prompt set), and a rerun skips those al
 
     python benchmarks/compiled_serving.py                              # 80 MT-bench + 40 code prompts, 1 and 2 threads
     python benchmarks/compiled_serving.py --mtbench 24 --code 12 --threads 1
+    python benchmarks/compiled_serving.py --threads 2 --bf16-plain   # adds compiled_plain[bf16]
 """
 
 from __future__ import annotations
@@ -95,6 +97,17 @@ def child(args) -> dict:
     compiled_target = runtimes["ppow"].target
     plain = "compiled_plain[fp32]"
     arms = [generate_arm("hf_generate_eager", target, stop_ids, pad_id, "hf_generate_eager")]
+    if args.bf16_plain:
+        # Fewer bytes per token: the target's weights in bf16 on the same runtime, plain decoding (one graph). Its
+        # reference is itself (lossless is a property of one precision); "= eager" counts agreement with fp32.
+        import copy
+
+        target_bf16 = copy.deepcopy(target).to(torch.bfloat16).eval()
+        started = time.perf_counter()
+        bf16 = serving_runtime(target_bf16, None, runtime="compiled", max_window=0, max_cache_len=MAX_CACHE_LEN)
+        compile_s += time.perf_counter() - started
+        arms.append(loop_arm("compiled_plain[bf16]", bf16.target, drafters["ppow"], AdaptiveWindowPolicy(max_window=0),
+                             stop_ids, vocab, "compiled_plain[bf16]"))
     if not args.skip_hf_compiled:
         config = CompileConfig(fullgraph=True, dynamic=False, mode=None,
                                options={"freezing": True, "max_autotune": True,
@@ -157,7 +170,9 @@ def markdown(results: dict) -> str:
         lines += [f"## {key}: {run['prompts']} prompts ({run['skipped_too_long']} longer than the static cache "
                   f"skipped), {meta.get('max_new_tokens', 128)} new tokens, greedy", "",
                   f"CPU {meta['cpu']}; torch {meta['torch']}; {meta['threads']} thread(s); compile seconds "
-                  f"{meta['compile_s']}; fp32.", ""]
+                  f"{meta['compile_s']}; fp32 unless the row says otherwise.", ""]
+        if meta.get("command"):
+            lines += [f"Command: `{meta['command']}`", ""]
         lines += run["table"] + [""]
         for name, cost in meta["cost_models"].items():
             lines.append(f"- {name}: {meta['rules'][name]}")
@@ -174,6 +189,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--drafter", default=str(REPO / "outputs" / "ppow-smollm2-offline" / "merged"))
     parser.add_argument("--skip-hf-compiled", action="store_true")
+    parser.add_argument("--bf16-plain", action="store_true", help="add compiled_plain[bf16] (bf16 weights)")
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -192,7 +208,8 @@ def main() -> int:
             continue
         command = [sys.executable, __file__, "--child", "--threads", str(threads), "--mtbench", str(args.mtbench),
                    "--code", str(args.code), "--max-new-tokens", str(args.max_new_tokens), "--max-window",
-                   str(args.max_window), "--drafter", args.drafter] + (["--skip-hf-compiled"] if args.skip_hf_compiled else [])
+                   str(args.max_window), "--drafter", args.drafter] + (["--skip-hf-compiled"] if args.skip_hf_compiled else []) + (
+                      ["--bf16-plain"] if args.bf16_plain else [])
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
         if done.returncode:
@@ -200,6 +217,7 @@ def main() -> int:
         report = json.loads(done.stdout.strip().splitlines()[-1])
         for set_name, run in report.pop("runs").items():
             results["runs"][f"{key}/{set_name}"] = run
+        report["command"] = results["command"]  # each thread count's own command (the top-level one is the latest)
         results["meta"][key] = report
         args.out.write_text(json.dumps(results, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(markdown(results))
