@@ -25,7 +25,7 @@ from ._trl_compat import split_tensor_dict, unwrap_model_for_generation
 from .assisted import write_assistant_files
 from .calibration import calibrate_policy, held_out_contexts
 from .contexts import ContextPool, ContextSelector, refresh_scores
-from .cost import COST_MODEL_FILE, CostModel, calibrate_cost_model
+from .cost import COST_MODEL_FILE, CostModel
 from .credit import per_position_advantages
 from .drafter import ReducedVocabHeadMixin
 from .drafting import family_of, load_drafter
@@ -226,16 +226,11 @@ class PPOWTrainer(GRPOTrainer):
         """``t_d``, ``t_v(L)`` on the runtime that will serve (``args.runtime``), so that the speed reward pays for
         what serving costs: on the compiled runtime, the target and a merged copy of the drafter (its costs do not
         depend on the weights LoRA changes) are compiled, once per machine with the disk cache."""
-        if self.args.runtime == "eager":
-            return calibrate_cost_model(self.target, drafter, self.args.max_window)
-        timed = copy.deepcopy(unwrap_model(drafter))
-        timed = timed.merge_and_unload() if hasattr(timed, "merge_and_unload") else timed
-        runtime = serving_runtime(self.target, timed.eval(), runtime=self.args.runtime, max_window=self.args.max_window)
-        with torch.no_grad():
-            cost_model = calibrate_cost_model(runtime.target, runtime.drafter, self.args.max_window)
-        cost_model.runtime = runtime.name
-        cost_model.description += f"; runtime {runtime.describe()}"
-        return cost_model
+        if self.args.runtime != "eager":
+            drafter = copy.deepcopy(unwrap_model(drafter))
+            drafter = (drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter).eval()
+        runtime = serving_runtime(self.target, drafter, runtime=self.args.runtime, max_window=self.args.max_window)
+        return runtime.measure_cost_model(self.args.max_window)
 
     # ------------------------------------------------------------------ sampling of contexts
 

@@ -23,7 +23,10 @@ import os
 import shutil
 from dataclasses import dataclass
 
+import torch
+
 from .compiled import CompiledCausalLM, CompileSettings
+from .cost import CostModel, calibrate_cost_model
 from .drafting import family_of
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,15 @@ class ServingRuntime:
         if self.name == "compiled":
             return f"compiled (inductor {self.settings}, warm-up {self.compile_seconds:.0f} s)"
         return "eager" + (f" (compiled unavailable: {self.fallback})" if self.fallback else "")
+
+    def measure_cost_model(self, max_window: int, **kwargs) -> CostModel:
+        """``calibrate_cost_model`` on these models (``kwargs``: its options), labelled with this runtime: the one
+        way the trainer's speed reward and the served rule get their costs."""
+        with torch.no_grad():
+            cost_model = calibrate_cost_model(self.target, self.drafter, max_window, **kwargs)
+        cost_model.runtime = self.name
+        cost_model.description += f"; runtime {self.describe()}"
+        return cost_model
 
 
 def check_runtime(runtime: str) -> str:

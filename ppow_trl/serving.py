@@ -15,7 +15,8 @@ import torch
 
 from .utils import is_peft_model
 from .calibration import calibrate_policy
-from .cost import CostModel, calibrate_cost_model
+from .cost import CostModel
+from .runtime import ServingRuntime
 from .windowing import AdaptiveWindowPolicy
 
 DEFAULT_GUARD = {"window": 8, "probe_every": 32}
@@ -60,15 +61,13 @@ def calibrate_for_serving(
     drafter.eval()
     lengths = [len(c) for c in contexts]
     typical = contexts[lengths.index(sorted(lengths)[len(lengths) // 2])]
-    timed_target, timed_drafter = (target, drafter) if runtime is None else (runtime.target, runtime.drafter)
-    room = getattr(timed_target, "max_cache_len", None)
+    runtime = runtime or ServingRuntime(target, drafter, "eager", "eager")
+    room = getattr(runtime.target, "max_cache_len", None)
     if room is not None and len(typical) + max_window + 1 > room:  # a static cache: time its last positions
         typical = typical[-(room - max_window - 1):]
-    cost_model = calibrate_cost_model(timed_target, timed_drafter, max_window, context_ids=typical.view(1, -1),
-                                      repeats=cost_repeats, seed=seed)
-    cost_model.runtime = "eager" if runtime is None else runtime.name
-    cost_model.description += (f"; served drafter (eval, merged); context = median held-out ({len(typical)} tokens)"
-                                f"; runtime {cost_model.runtime if runtime is None else runtime.describe()}")
+    cost_model = runtime.measure_cost_model(max_window, context_ids=typical.view(1, -1), repeats=cost_repeats,
+                                            seed=seed)
+    cost_model.description += f"; served drafter (eval, merged); context = median held-out ({len(typical)} tokens)"
     policy, report = calibrate_policy(target, drafter, contexts, cost_model, max_window=max_window, regime=regime,
                                       temperature=temperature, confidence_temperature=confidence_temperature,
                                       vocab_size=vocab_size, pad_id=pad_id, seed=seed, allow_no_speculation=True,
