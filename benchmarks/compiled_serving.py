@@ -10,8 +10,9 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
 - ``compiled_plain[fp32]``: ppow_trl's loop without a drafter on the compiled runtime (``ppow_trl.runtime``);
 - ``compiled_plain[bf16]`` (``--bf16-plain``): the same with the target's weights in bf16;
 - ``compiled_speculative[<drafter>]``: the loop with a drafter and the rule ``calibrate_for_serving`` chooses on the
-  compiled runtime's measured costs (the main job's drafter, prompt lookup); when that rule is K = 0 the best rule
-  that speculates is also timed, as ``compiled_speculative[<drafter>:best_speculative]``.
+  compiled runtime's measured costs (the main job's drafter, prompt lookup, and the hybrid of the two:
+  ``ppow_trl.hybrid``, the looked-up token where the text repeats, the drafter's elsewhere); when that rule is K = 0
+  the best rule that speculates is also timed, as ``compiled_speculative[<drafter>:best_speculative]``.
 
 Every row: median ms/token [95% CI], tau, speedups against ``compiled_plain[fp32]`` and ``hf_generate_eager``
 (ratio of total times [95% CI]), lossless prompts (tokens equal to compiled plain decoding's) and agreement with
@@ -52,6 +53,7 @@ def child(args) -> dict:
     from ppow_trl.compiled import CompileSettings, compile_cache_dir
     from ppow_trl.data import build_target_responses, encode_prompt, load_prompts, stop_token_ids
     from ppow_trl.drafting import get_family, load_drafter
+    from ppow_trl.hybrid import hybrid_drafter
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path
     from ppow_trl.runtime import serving_runtime
@@ -74,6 +76,7 @@ def child(args) -> dict:
 
     drafters = {"ppow": load_drafter(args.drafter, target=target).eval(),
                 "prompt_lookup": get_family("prompt_lookup").build(target, tokenizer).eval()}
+    drafters["hybrid"] = hybrid_drafter(drafters["ppow"], target)  # lookup where the text repeats, ppow elsewhere
     # Held-out calibration contexts: the target's greedy responses to ShareGPT test prompts (cached on disk).
     calibration = build_target_responses(target, tokenizer, load_prompts("sharegpt-test", CALIBRATION_PROMPTS, seed=1),
                                          max_new_tokens=64, batch_size=8, seed=1,

@@ -57,29 +57,44 @@ def _major_minor(version: str) -> tuple[int, ...] | None:
         return None
 
 
-BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
-"""The logger of bitsandbytes' CPU backend, which tries the optional `kernels` package when it is imported."""
-MISSING_KERNELS_WARNING = re.compile(r"Failed to load CPU gemm_4bit_forward from kernels-community: "
-                                     r"No module named 'kernels'\.")
+BNB_KERNEL_WARNINGS = {
+    # bitsandbytes' CPU backend tries the optional `kernels` package's Hub kernel at import.
+    "bitsandbytes.backends.cpu.ops": re.compile(
+        r"Failed to load CPU gemm_4bit_forward from kernels-community: (No module named 'kernels'"
+        r"|.*Hugging Face Hub is in offline mode|.*could not verify publisher trust status)"),
+    # `kernels` itself, asked for that kernel with HF_HUB_OFFLINE=1.
+    "kernels._internals.hf_hub": re.compile(
+        r"Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' because Hugging Face Hub "
+        r"is in offline mode"),
+}
+"""Logger -> the import-time warnings that only say bitsandbytes' optional Hub kernel is not used (the `kernels`
+package absent, the Hub offline or unreachable, the kernel repository not on the trust allowlist): bitsandbytes then
+runs its own CPU kernel, which is all ppow_trl needs. The trust message even suggests ``trust_remote_code=True``,
+which ppow_trl never needs. ``kernels`` is in the lock file (transformers pulls it), so every fresh machine printed one."""
 
 
-class _DropMissingKernelsWarning(logging.Filter):
-    """Drops only bitsandbytes' "No module named 'kernels'" warning (it then uses its own CPU kernel, which is all
-    ppow_trl needs); any other failure to load that kernel, and every other record, still shows."""
+class _DropRecords(logging.Filter):
+    """Drops the records of one logger that match ``pattern``; any other failure to load that kernel, and every other
+    record, still shows."""
+
+    def __init__(self, pattern: re.Pattern):
+        super().__init__()
+        self.pattern = pattern
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
-            return MISSING_KERNELS_WARNING.match(record.getMessage()) is None
+            return self.pattern.match(record.getMessage()) is None
         except Exception:  # a malformed record: let logging report it as usual
             return True
 
 
 def silence_bnb_missing_kernels_warning() -> None:
-    """Install that filter on bitsandbytes' CPU-backend logger (idempotent). It must run before bitsandbytes is
-    imported (transformers, accelerate and peft import it), since the warning is logged at import."""
-    logger = logging.getLogger(BNB_CPU_LOGGER)
-    if not any(isinstance(existing, _DropMissingKernelsWarning) for existing in logger.filters):
-        logger.addFilter(_DropMissingKernelsWarning())
+    """Install those filters (``BNB_KERNEL_WARNINGS``; idempotent). It must run before bitsandbytes is imported
+    (transformers, accelerate and peft import it), since the warnings are logged at import."""
+    for name, pattern in BNB_KERNEL_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, _DropRecords) for existing in logger.filters):
+            logger.addFilter(_DropRecords(pattern))
 
 
 check_trl_version()

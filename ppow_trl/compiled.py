@@ -133,6 +133,18 @@ _SETTINGS: "weakref.WeakKeyDictionary[torch.nn.Module, CompileSettings]" = weakr
 """model -> the settings its graphs were compiled with in this process."""
 
 
+_MUTABLE_REGISTRIES = ("_CAN_RECORD_REGISTRY",)
+"""Process-wide registries the traced forward reads and that grow when any model class is instantiated later
+(transformers' output-capturing registry, keyed by class name). Dynamo guards on their length, so loading another
+model after the warm-up (a drafter, a second target) failed every guard: a recompile, an error under
+``fail_on_recompile``. The entry of the compiled model's own class never changes, so those guards are dropped."""
+
+
+def _skip_registry_guards(guard_entries) -> list[bool]:
+    """``torch.compile``'s ``guard_filter_fn``: keep every guard but those on ``_MUTABLE_REGISTRIES``."""
+    return [not any(name in entry.name for name in _MUTABLE_REGISTRIES) for entry in guard_entries]
+
+
 class CompiledCausalLM(torch.nn.Module):
     """``model``'s forward compiled per row count ``1..max_rows`` over a static KV cache (module docstring)."""
 
@@ -158,7 +170,8 @@ class CompiledCausalLM(torch.nn.Module):
         # The settings go through inductor's global config, patched around every call (compiling happens at the
         # first call of each shape): passed as torch.compile(options=...), max-autotune's C++ GEMM template was never
         # chosen (SmolLM2's lm head: 9.7/24.0/35.7 ms for 1/2/3 rows either way, 4.5/4.2/3.8 ms with the config set).
-        self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False)
+        self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False,
+                                       options={"guard_filter_fn": _skip_registry_guards})
         self.warm = False
         self.compile_seconds: float | None = None
 

@@ -9,7 +9,9 @@ branch on a family's name: a new family is one module plus one line in ``FAMILIE
 
 Families (``FAMILIES``): ``standalone`` (any causal LM over the target's vocabulary, ``ppow_trl.standalone``),
 ``eagle3`` (heads reading the target's hidden states, ``ppow_trl.eagle3``), ``dflash`` (block drafters,
-``ppow_trl.dflash``), ``prompt_lookup`` (n-gram drafting from the text itself, ``ppow_trl.prompt_lookup``).
+``ppow_trl.dflash``), ``prompt_lookup`` (n-gram drafting from the text itself, ``ppow_trl.prompt_lookup``),
+``hybrid`` (prompt lookup where the text repeats, a trained drafter elsewhere, ``ppow_trl.hybrid``: the one family
+built from others, a layer above them).
 The registry names each by ``"module:Class"`` and imports it on first use, like a package entry point, so this
 bottom-layer module imports no family and no family imports another (the import-linter contracts in
 ``setup.cfg`` check both).
@@ -46,6 +48,7 @@ FAMILIES: dict[str, str] = {
     "eagle3": "ppow_trl.eagle3.family:Eagle3Family",
     "dflash": "ppow_trl.dflash.family:DFlashFamily",
     "prompt_lookup": "ppow_trl.prompt_lookup:PromptLookupFamily",
+    "hybrid": "ppow_trl.hybrid:HybridFamily",  # prompt lookup + a trained drafter (composes two families)
     "standalone": "ppow_trl.standalone:StandaloneFamily",  # last: any causal LM, the fallback of family_of
 }
 """Registered families, ``name -> "module:Class"``, in the order ``family_of`` asks them (``register_family``)."""
@@ -204,6 +207,11 @@ class DrafterFamily:
     def attach(self, drafter, target, policy, vocab_size: int | None = None):
         """Make ``target.generate(..., assistant_model=drafter)`` apply ``policy``; returns the drafter."""
         raise NotImplementedError
+
+    def with_compiled_models(self, drafter, compile):
+        """The drafter as the compiled runtime serves it: ``compile(model)`` (a ``CompiledCausalLM`` of it) where
+        the family ``compiles``, the drafter as it is otherwise (a composite family compiles its parts)."""
+        return compile(drafter) if self.compiles else drafter
 
     def detach(self, drafter) -> None:
         """Undo ``attach``'s hooks on the target (a no-op where none were installed)."""

@@ -19,8 +19,9 @@ Counting conventions (stated wherever tau is printed, see PPOW.md "Evaluation pr
   a round can never overshoot ``max_new_tokens``, so drafting tokens that would be thrown away is
   avoided; with one token left the round verifies an empty window (a plain target step).
 
-Greedy mode (``do_sample=False``): the drafter proposes ``argmax`` of its logits, the target's ``p``
-is one-hot (``probabilities_from_logits(logits, 0)``) and ``greedy_verify`` decides. Sampling mode:
+Greedy mode (``do_sample=False``): the drafter proposes ``argmax`` of its logits and ``greedy_verify_one``
+keeps the leading tokens equal to the target's ``argmax`` (``greedy_verify`` with a one-hot ``p``, without
+building it). Sampling mode:
 ``q = softmax(drafter_logits / temperature)`` is sampled and ``p`` uses the same temperature;
 ``speculative_sampling_verify`` decides, so the output is distributed as the target's own samples at
 that temperature. In both modes the window rule uses the policy's confidences
@@ -41,7 +42,7 @@ from .models import output_vocab_rows
 from .utils import crop_cache
 from .verification import (
     acceptance_histogram,
-    greedy_verify,
+    greedy_verify_one,
     probabilities_from_logits,
     sample_categorical,
     speculative_sampling_verify,
@@ -239,7 +240,6 @@ def speculative_generate(
         )
     vocab = _shared_vocab(target, drafter, vocab_size)
     eos = _eos_set(target, eos_token_id)
-    target_temperature = temperature if do_sample else 0.0
 
     sequence = list(prompt)
     new_tokens: list[int] = []
@@ -270,13 +270,13 @@ def speculative_generate(
             running = torch.ones((), device=logits.device)
             for step in range(cap):
                 step_logits = logits[-1, :vocab]
-                q = probabilities_from_logits(step_logits, temperature)
                 if do_sample:
+                    q = probabilities_from_logits(step_logits, temperature)
                     token = int(sample_categorical(q, generator))
-                else:
+                    drafter_probs.append(q)
+                else:  # greedy verification never reads q
                     token = int(step_logits.argmax())
                 window.append(token)
-                drafter_probs.append(q)
                 running = running * policy.confidence(step_logits)
                 if step + 1 == cap or not bool(policy.keep_drafting(running, step + 1)):
                     break
@@ -287,21 +287,21 @@ def speculative_generate(
         out, features = forward_at(target, sequence[verify_start:] + window, target_cache, verify_start, layer_ids)
         logits, target_cache = out.logits[0], out.cache
         target_forwards += 1
-        target_device = logits.device
-        p = probabilities_from_logits(logits[-(length + 1) :, :vocab], target_temperature).unsqueeze(0)
-        window_ids = torch.tensor([window], dtype=torch.long, device=target_device).view(1, length)
-        window_mask = torch.ones((1, length), dtype=torch.bool, device=target_device)
         if do_sample:
+            target_device = logits.device
+            p = probabilities_from_logits(logits[-(length + 1) :, :vocab], temperature).unsqueeze(0)
+            window_ids = torch.tensor([window], dtype=torch.long, device=target_device).view(1, length)
+            window_mask = torch.ones((1, length), dtype=torch.bool, device=target_device)
             q_stack = (
                 torch.stack(drafter_probs).to(target_device).unsqueeze(0)
                 if length
                 else p.new_zeros((1, 0, p.shape[-1]))
             )
             result = speculative_sampling_verify(window_ids, p, q_stack, window_mask, generator=generator)
+            accepted, next_token = int(result.accepted_length[0]), int(result.next_token[0])
         else:
-            result = greedy_verify(window_ids, p, window_mask)
-        accepted = int(result.accepted_length[0])
-        round_tokens = window[:accepted] + [int(result.next_token[0])]
+            accepted, next_token = greedy_verify_one(window, logits[-(length + 1) :, :vocab])
+        round_tokens = window[:accepted] + [next_token]
         round_tokens = round_tokens[: max_new_tokens - len(new_tokens)]  # never cuts: windows are capped
         round_tokens, finished_by_eos = _truncate_at_eos(round_tokens, eos)
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,8 @@ import torch
 from .compiled import CompiledCausalLM, CompileSettings
 from .cost import CostModel, calibrate_cost_model
 from .drafting import family_of
+from .generation import speculative_generate
+from .windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +59,73 @@ class ServingRuntime:
             return f"compiled (inductor {self.settings}, warm-up {self.compile_seconds:.0f} s)"
         return "eager" + (f" (compiled unavailable: {self.fallback})" if self.fallback else "")
 
-    def measure_cost_model(self, max_window: int, **kwargs) -> CostModel:
-        """``calibrate_cost_model`` on these models (``kwargs``: its options), labelled with this runtime: the one
-        way the trainer's speed reward and the served rule get their costs."""
+    def measure_cost_model(self, max_window: int, *, loop_overhead: bool = True, **kwargs) -> CostModel:
+        """``calibrate_cost_model`` on these models (``kwargs``: its options), labelled with this runtime, plus the
+        serving loop's host work per step and per round (``measure_loop_overhead``; ``loop_overhead=False`` skips
+        it): the one way the trainer's speed reward and the served rule get their costs."""
         with torch.no_grad():
             cost_model = calibrate_cost_model(self.target, self.drafter, max_window, **kwargs)
+            if loop_overhead:
+                measure_loop_overhead(self.target, self.drafter, cost_model, max_window,
+                                      context_ids=kwargs.get("context_ids"), seed=kwargs.get("seed", 0))
         cost_model.runtime = self.name
         cost_model.description += f"; runtime {self.describe()}"
         return cost_model
+
+
+def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: int, *, context_ids=None,
+                          tokens: tuple[int, int] = (16, 48), repeats: int = 3, seed: int = 0) -> CostModel:
+    """Fill ``cost_model``'s ``plain_overhead`` ``o_0`` and ``round_overhead`` ``o_r`` by running the serving loop.
+
+    ``speculative_generate`` runs plain (``K = 0``) and with a fixed window (``K = max_window``, ``h = 0``) for
+    ``n1`` and ``n2`` new tokens (``tokens``), back to back, ``repeats`` times. The forwards' share of each run is
+    what the cost model predicts for its rounds, ``t_t sum_rounds (L t_d + t_v(L))``; the rest is host work. The
+    difference between the ``n2`` and the ``n1`` runs cancels the prefill:
+
+        ``o = median_repeats [(W(n2) - W(n1)) - (F(n2) - F(n1))] / (R(n2) - R(n1)) / t_t``
+
+    with ``W`` the wall time, ``F`` the predicted forward time and ``R`` the rounds. Negative estimates (noise) count
+    as 0. ``context_ids``: the context to generate after (a random one of 64 tokens when ``None``), cut to leave
+    room in a static cache. Returns ``cost_model``, changed in place.
+    """
+    if max_window < 1 or not 0 < tokens[0] < tokens[1]:
+        raise ValueError(f"measure_loop_overhead needs max_window >= 1 and 0 < n1 < n2, got {max_window}, {tokens}.")
+    device = next(target.parameters()).device
+    if context_ids is None:
+        vocab = min(target.get_input_embeddings().num_embeddings, family_of(drafter).input_vocab_size(drafter, target))
+        context_ids = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(seed))
+    room = getattr(target, "max_cache_len", None)
+    if room is not None:
+        context_ids = context_ids[:, -(room - tokens[1] - max_window - 2):]
+    context_ids = context_ids.to(device)
+    t_t = cost_model.raw_seconds.get("target_step")
+    if not t_t:
+        raise ValueError("measure_loop_overhead needs a measured cost model (raw_seconds['target_step']).")
+    policies = {"plain": AdaptiveWindowPolicy(max_window=0), "round": AdaptiveWindowPolicy(max_window, 0.0)}
+    bare = CostModel(cost_model.drafter_cost, cost_model.verify_cost, drafter_per_round=cost_model.drafter_per_round)
+
+    def run(policy, new_tokens):
+        started = time.perf_counter()
+        out = speculative_generate(target, drafter, context_ids, policy=policy, max_new_tokens=new_tokens,
+                                   eos_token_id=[])
+        wall = time.perf_counter() - started
+        lengths = torch.tensor(out.drafted_per_round)
+        return wall, float(bare.round_time(lengths).sum()) * t_t, len(lengths)
+
+    estimates = {name: [] for name in policies}
+    with torch.no_grad():
+        run(policies["round"], tokens[0])  # untimed: first calls (allocations, the drafter's cache)
+        for _ in range(repeats):
+            for name, policy in policies.items():
+                (w1, f1, r1), (w2, f2, r2) = run(policy, tokens[0]), run(policy, tokens[1])
+                if r2 > r1:
+                    estimates[name].append(((w2 - w1) - (f2 - f1)) / (r2 - r1) / t_t)
+    cost_model.plain_overhead = max(0.0, statistics.median(estimates["plain"]))
+    cost_model.round_overhead = max(0.0, statistics.median(estimates["round"]))
+    cost_model.raw_seconds["loop_overhead"] = {"plain_step": cost_model.plain_overhead * t_t,
+                                               "drafting_round": cost_model.round_overhead * t_t,
+                                               "tokens": list(tokens), "repeats": repeats}
+    return cost_model
 
 
 def check_runtime(runtime: str) -> str:
@@ -95,13 +158,15 @@ def _reads_target_features(drafter) -> bool:
         return False
 
 
-def _drafter_compiles(drafter) -> bool:
+def _compiled_drafter(drafter, compile):
+    """``drafter`` with ``compile`` applied where its family compiles (``DrafterFamily.with_compiled_models``)."""
     if drafter is None or not hasattr(drafter, "parameters"):
-        return False
+        return drafter
     try:
-        return family_of(drafter).compiles
+        family = family_of(drafter)
     except (ValueError, TypeError):
-        return False
+        return drafter
+    return family.with_compiled_models(drafter, compile)
 
 
 def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_window: int,
@@ -122,13 +187,18 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
             compiled_target = CompiledCausalLM(target, max_rows=max_window + 1, max_cache_len=max_cache_len,
                                                settings=settings)
             seconds = compiled_target.warm_up(progress=progress)
-            compiled_drafter = drafter
-            if _drafter_compiles(drafter):
+            warmed = []
+
+            def compile_drafter(model):
                 # A drafter reads the tokens of the last round (1 or 2) and drafts one at a time; after a guard pause
                 # it reads more, eagerly. K + 1 row counts keep its graphs the target's.
-                compiled_drafter = CompiledCausalLM(drafter, max_rows=max_window + 1, max_cache_len=max_cache_len,
-                                                    settings=settings)
-                seconds += compiled_drafter.warm_up(progress=progress)
+                compiled = CompiledCausalLM(model, max_rows=max_window + 1, max_cache_len=max_cache_len,
+                                            settings=settings)
+                warmed.append(compiled.warm_up(progress=progress))
+                return compiled
+
+            compiled_drafter = _compiled_drafter(drafter, compile_drafter)
+            seconds += sum(warmed)
             return ServingRuntime(compiled_target, compiled_drafter, "compiled", runtime, seconds, settings.label())
         except Exception as error:  # noqa: BLE001 - any failure to compile means: serve eagerly, say why
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"

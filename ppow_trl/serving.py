@@ -92,7 +92,9 @@ def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | 
     """One sentence: the rule chosen, the predicted speedup, and the machine's costs that decided it."""
     costs = "cost model not measured" if cost_model is None else (
         f"{cost_model.runtime} runtime: t_d/t_t = {cost_model.drafter_cost:.3f}, t_v(L)/t_t for L = 1..{len(cost_model.verify_cost) - 1} = "
-        + " / ".join(f"{c:.2f}" for c in cost_model.verify_cost[1:]))
+        + " / ".join(f"{c:.2f}" for c in cost_model.verify_cost[1:])
+        + (f", loop host work per step / per round = {cost_model.plain_overhead:.3f} / {cost_model.round_overhead:.3f}"
+           if cost_model.plain_overhead or cost_model.round_overhead else ""))
     calibration = policy.calibration or {}
     predicted = calibration.get("predicted_speedup")
     if policy.max_window == 0:

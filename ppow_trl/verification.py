@@ -177,6 +177,18 @@ def greedy_verify(window_ids: torch.Tensor, target_probs: torch.Tensor, window_m
     return VerificationResult(accepted_length=accepted, next_token=at_next.argmax(dim=-1))
 
 
+def greedy_verify_one(window: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """``greedy_verify`` of one window from the target's logits ``(L + 1, V)`` at its positions, without building the
+    one-hot ``p``: ``A = #leading i with y_i == argmax z_i`` and the next token ``argmax z_{A+1}``. The generation
+    loop's greedy path: one argmax per row instead of a one-hot over the vocabulary and a gather (about 0.4 ms a
+    round on a 49k vocabulary, over 1% of a compiled SmolLM2-135M step)."""
+    choices = target_logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(window) and window[accepted] == choices[accepted]:
+        accepted += 1
+    return accepted, choices[accepted]
+
+
 def speculative_sampling_verify(
     window_ids: torch.Tensor,
     target_probs: torch.Tensor,

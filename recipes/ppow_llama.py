@@ -13,6 +13,7 @@ TRL script style: `TrlParser((PPOWScriptArguments, PPOWConfig, ModelConfig))` re
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import sys
@@ -34,6 +35,7 @@ from ppow_trl.calibration import held_out_contexts
 from ppow_trl.data import (build_target_responses, compute_target_features, compute_target_topk, encode_prompt,
                            load_prompts, stop_token_ids)
 from ppow_trl.drafting import get_family
+from ppow_trl.hybrid import hybrid_drafter
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target
 from ppow_trl.model_card import PROTOCOL
 from ppow_trl.runtime import serving_runtime
@@ -111,6 +113,11 @@ class PPOWScriptArguments:
         num_eval_prompts (`int`, *optional*, defaults to `4`):
             Prompts evaluated (0 skips the evaluation), each for PPOWConfig's `eval_max_new_tokens` tokens (the
             same length as the trainer's `eval_tau`).
+        serve_with_lookup (`bool`, *optional*, defaults to `True`):
+            Also serve the trained drafter with prompt lookup (`ppow_trl.hybrid`: the looked-up token where the text
+            repeats, the drafter's elsewhere) with its own rule calibrated on the serving runtime; saved in
+            `<output_dir>/hybrid` and evaluated side by side. Drafters that read the target's hidden states are
+            served on their own.
         merge_adapter (`bool`, *optional*, defaults to `False`):
             Also save the LoRA-merged standalone drafter in `<output_dir>/merged` (for engines that load plain
             draft models, e.g. vLLM's draft-model method).
@@ -152,6 +159,8 @@ class PPOWScriptArguments:
     kd_save_steps: int = field(default=0, metadata={"help": "KD checkpoint interval (0 = none); resumes from the last."})
     eval_prompts: str = field(default="mtbench", metadata={"help": "mtbench | sharegpt-test | path.jsonl"})
     num_eval_prompts: int = field(default=4, metadata={"help": "Evaluation prompts (0 = no evaluation)."})
+    serve_with_lookup: bool = field(default=True, metadata={
+        "help": "Also serve the drafter with prompt lookup (ppow_trl.hybrid), saved in <output_dir>/hybrid."})
     merge_adapter: bool = field(default=False, metadata={"help": "Also save the merged standalone drafter."})
     cache_dir: str | None = field(default=None, metadata={"help": "Cache of regenerated data."})
 
@@ -308,6 +317,8 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     # The served rule is decided on the drafter as served (merged, eval mode), on this machine's measured costs:
     # K = 0 when nothing pays, else (K, h) with the online guard. Every save below carries it.
     serving = serve_for_the_drafter_as_saved(trainer, standalone, calibration_data, training_args)
+    hybrid = (serve_with_lookup(trainer, standalone, serving, calibration_data, training_args)
+              if script_args.serve_with_lookup and serving is not None else None)
 
     # Adapter (or drafter) + the served window policy + cost model + custom_generate/ for assistant_model=.
     trainer.save_model(training_args.output_dir)
@@ -321,8 +332,11 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
             if script_args.export_format == "gguf":  # the served rule, read by ppow_trl.llama_cpp_draft.LlamaCppDrafter
                 trainer.window_policy.save_pretrained(folder)
             logger.info("%s exported in the %s layout to %s", family.description, script_args.export_format, folder)
+        if hybrid is not None:  # the drafter with prompt lookup, its own rule: load_assistant(<output_dir>/hybrid)
+            save_assistant(hybrid["drafter"], Path(training_args.output_dir) / "hybrid", policy=hybrid["policy"],
+                           cost_model=hybrid["cost_model"], tokenizer=tokenizer)
         summary = evaluate_drafter(target, tokenizer, standalone, trainer, script_args, training_args)
-        served = evaluate_served(serving, target, tokenizer, trainer, script_args, training_args)
+        served = evaluate_served(serving, target, tokenizer, trainer, script_args, training_args, hybrid)
         if served:  # the side-by-side figures, next to the drafter they were measured with
             save_json({k: v for k, v in served.items() if k != "table"}, training_args.output_dir,
                       "ppow_served_evaluation.json")
@@ -377,6 +391,28 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
     return serving
 
 
+def serve_with_lookup(trainer, drafter, serving, calibration_data, training_args) -> dict | None:
+    """The trained ``drafter`` with prompt lookup (``ppow_trl.hybrid``) and its own served rule, calibrated like the
+    drafter's on the same runtime (its compiled inner drafter is the one already warm). Main process; ``None`` for
+    drafters a hybrid cannot wrap (they read the target's hidden states)."""
+    try:
+        hybrid = hybrid_drafter(drafter, trainer.target)
+    except ValueError as error:
+        logger.info("Not served with prompt lookup: %s", error)
+        return None
+    served = dataclasses.replace(serving, drafter=hybrid.with_drafter(serving.drafter))
+    contexts = held_out_contexts(calibration_data["prompt_ids"], calibration_data["response_ids"],
+                                 training_args.calibration_contexts_per_response, training_args.calibration_max_contexts)
+    with torch.no_grad():
+        policy, cost_model, _ = calibrate_for_serving(
+            trainer.target, hybrid, contexts, max_window=training_args.max_window,
+            regime=training_args.calibration_regime, temperature=training_args.temperature,
+            confidence_temperature=training_args.confidence_temperature, vocab_size=trainer.vocab_size,
+            pad_id=trainer.processing_class.pad_token_id, seed=training_args.seed, runtime=served)
+    logger.info("Served rule with prompt lookup: %s", policy.calibration["serving_rule"])
+    return {"drafter": hybrid, "served": served, "policy": policy, "cost_model": cost_model}
+
+
 def make_family_drafter(family, target, tokenizer, script_args, draft_vocab):
     """The drafter the arguments ask for: the family's checkpoint (any layout it imports, a folder or a Hub id), else
     a fresh one built from the target with the family's options (``PPOWScriptArguments.family_options``)."""
@@ -419,9 +455,10 @@ def evaluate_drafter(target, tokenizer, drafter, trainer, script_args, training_
     return report["summary"]
 
 
-def evaluate_served(serving, target, tokenizer, trainer, script_args, training_args) -> dict:
+def evaluate_served(serving, target, tokenizer, trainer, script_args, training_args, hybrid=None) -> dict:
     """The served rule on the serving runtime against plain decoding on it and against transformers' eager
-    ``generate``, side by side on the held-out prompts (``ppow_trl.bench.served``); prints and returns the summary."""
+    ``generate``, side by side on the held-out prompts (``ppow_trl.bench.served``), with the drafter served with
+    prompt lookup when ``hybrid`` (``serve_with_lookup``) is given; prints and returns the summary."""
     if serving is None or not script_args.num_eval_prompts:
         return {}
     prompts = load_prompts(script_args.eval_prompts, num_samples=script_args.num_eval_prompts, seed=training_args.seed)
@@ -446,15 +483,21 @@ def evaluate_served(serving, target, tokenizer, trainer, script_args, training_a
         loop_arm(f"{name}_speculative[served rule]", serving.target, serving.drafter, trainer.window_policy, stop_ids,
                  vocab, plain),
     ]
+    if hybrid is not None:
+        arms.append(loop_arm(f"{name}_speculative[with prompt lookup]", hybrid["served"].target,
+                             hybrid["served"].drafter, hybrid["policy"], stop_ids, vocab, plain,
+                             {"rule": hybrid["policy"].calibration["serving_rule"]}))
     result = compare_arms(arms, prompt_ids, max_new_tokens=training_args.eval_max_new_tokens,
                           baselines=[plain, "hf_generate_eager"], eager_reference="hf_generate_eager")
     print(f"\nServed on the {serving.describe()} runtime, {len(prompt_ids)} held-out {script_args.eval_prompts} "
           f"prompts, greedy, {training_args.eval_max_new_tokens} new tokens, side by side:")
     print("\n".join(format_arms(result["arms"], [plain, "hf_generate_eager"])))
-    served = result["arms"][f"{name}_speculative[served rule]"]
-    print(f"  served: {served[f'speedup_vs_{plain}']:.2f}x {name} plain decoding, "
-          f"{served['speedup_vs_hf_generate_eager']:.2f}x transformers' eager generate; lossless "
-          f"{served['lossless_prompts']}\n")
+    for label in [label for label in result["arms"] if label.startswith(f"{name}_speculative")]:
+        row = result["arms"][label]
+        print(f"  {label}: {row[f'speedup_vs_{plain}']:.2f}x {name} plain decoding, "
+              f"{row['speedup_vs_hf_generate_eager']:.2f}x transformers' eager generate; lossless "
+              f"{row['lossless_prompts']}")
+    print()
     return {"runtime": serving.describe(), "arms": result["arms"],
             "table": format_arms(result["arms"], [plain, "hf_generate_eager"])}
 

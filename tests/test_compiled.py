@@ -71,6 +71,34 @@ def test_nothing_recompiles_in_the_served_loop(models):
                                 compiled.new_cache())
 
 
+
+def test_a_model_class_created_after_the_warm_up_does_not_recompile(models):
+    """Instantiating any new PreTrainedModel class registers it in transformers' output-capturing registry, which the
+    traced forward reads: without the guard filter every later call failed its guards (an error under
+    fail_on_recompile), so loading a second model after serving_runtime broke serving."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class LateConfig(PretrainedConfig):
+        model_type = "ppow_test_late"
+
+    class LateModel(PreTrainedModel):
+        config_class = LateConfig
+        _can_record_outputs = {"hidden_states": torch.nn.Linear}
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.proj = torch.nn.Linear(2, 2)
+            self.post_init()
+
+    _, _, compiled = models
+    ids = torch.randint(8, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = greedy_continuation(compiled, ids[0].tolist(), 6, 64)
+        LateModel(LateConfig())
+        graphs = _graphs()
+        assert greedy_continuation(compiled, ids[0].tolist(), 6, 64) == before  # would raise "Detected recompile"
+    assert _graphs() == graphs
+
 def test_speculative_on_the_compiled_route_is_the_compiled_plain_text(models):
     target, close, compiled = models
     policy = AdaptiveWindowPolicy(MAX_ROWS - 1, 0.0)

@@ -28,6 +28,8 @@ BUILD = {
     "eagle3": ({"target_layer_ids": [1, 2, 4]}, {"max_steps": 60, "ttt_steps": 3}),
     "dflash": ({"mask_token_id": 6, "block_size": 5, "target_layer_ids": [0, 1, 3]},
                {"max_steps": 200, "block_anchors": 8}),
+    # over the KD-trained standalone drafter, so that windows mix looked-up and drafted tokens
+    "hybrid": (lambda data, factory: {"drafter": drafter_of("standalone", data, factory)}, {}),
 }
 TRAINABLE = [name for name in family_names() if get_family(name).trainable]
 EXPORTS = [(name, layout) for name in family_names() for layout in get_family(name).export_formats]
@@ -50,6 +52,7 @@ def drafter_of(name: str, data, tmp_path_factory):
     if name not in _DRAFTERS:
         family = get_family(name)
         options, kd = BUILD.get(name, ({}, {}))
+        options = options(data, tmp_path_factory) if callable(options) else options
         set_seed(0)
         drafter = family.build(data["target"], data["tokenizer"], **options)
         if family.trainable and kd.get("max_steps"):

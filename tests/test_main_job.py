@@ -58,6 +58,10 @@ def test_main_job_saves_a_drafter_and_its_served_rule(main_job):
     assert "served rule:" in stdout and "lossless 1/1" in stdout
     served = json.loads((out / "ppow_served_evaluation.json").read_text())  # side by side on the serving runtime
     assert served["runtime"] == "eager" and served["arms"]["eager_speculative[served rule]"]["lossless_prompts"] == "1/1"
+    # the drafter served with prompt lookup: its own calibrated rule, saved, lossless side by side
+    assert served["arms"]["eager_speculative[with prompt lookup]"]["lossless_prompts"] == "1/1"
+    hybrid_rule = json.loads((out / "hybrid" / "ppow_window_policy.json").read_text())
+    assert "serving_rule" in hybrid_rule["calibration"] and (out / "hybrid" / "drafter" / "config.json").is_file()
     assert (cache / "SmolLM2-135M-Instruct" / "model.safetensors").is_file()  # converted once, into the new cache
 
 
@@ -85,3 +89,13 @@ def test_saved_drafter_through_the_hook_is_lossless(main_job):
         drafting = target.generate(**inputs, assistant_model=assistant, **settings)
     assert torch.equal(with_served_rule, plain)
     assert torch.equal(drafting, plain)
+    # the saved hybrid (prompt lookup + the trained drafter) through the same hook
+    hybrid = load_assistant(out / "hybrid", target=target)
+    hybrid_rule = AdaptiveWindowPolicy.from_pretrained(out / "hybrid")
+    with torch.no_grad():
+        with_hybrid = target.generate(**inputs, assistant_model=hybrid, **settings)
+        from ppow_trl.drafting import family_of
+
+        family_of(hybrid).attach(hybrid, target, hybrid_rule.with_window(3, 0.0))
+        hybrid_drafting = target.generate(**inputs, assistant_model=hybrid, **settings)
+    assert torch.equal(with_hybrid, plain) and torch.equal(hybrid_drafting, plain)

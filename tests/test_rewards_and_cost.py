@@ -84,6 +84,21 @@ def test_speedup_formula_and_extrapolation():
     assert speedup(torch.tensor([1.0]), torch.tensor([1]), cost) > speedup(torch.tensor([1.0]), torch.tensor([3]), cost)
 
 
+def test_speedup_charges_the_loops_host_work():
+    """With the loop's host work measured, S = (A + 1)(1 + o_0) / (L t_d + t_v(L) + o_r): a plain step stays 1x, and
+    an overhead per drafting round lowers every speculative round's speedup (a margin a rule must clear)."""
+    bare = CostModel(drafter_cost=0.1, verify_cost=[1.0, 1.02, 1.05])
+    loop = CostModel(drafter_cost=0.1, verify_cost=[1.0, 1.02, 1.05], plain_overhead=0.03, round_overhead=0.06)
+    accepted, lengths = torch.tensor([0.0, 1.0, 0.4, 2.0]), torch.tensor([0, 1, 2, 2])
+    want = [(a + 1) * 1.03 / (l * 0.1 + t + (0.06 if l else 0.03))
+            for a, l, t in zip([0.0, 1.0, 0.4, 2.0], [0, 1, 2, 2], [1.0, 1.02, 1.05, 1.05])]
+    assert torch.allclose(speedup(accepted, lengths, loop), torch.tensor(want))
+    assert speedup(torch.tensor([0.0]), torch.tensor([0]), loop).item() == pytest.approx(1.0)
+    assert (speedup(accepted[1:], lengths[1:], loop) < speedup(accepted[1:], lengths[1:], bare)).all()
+    with pytest.raises(ValueError, match="overheads"):
+        CostModel(drafter_cost=0.1, verify_cost=[1.0], round_overhead=-0.1)
+
+
 def test_cost_model_scale_invariance_and_round_trip(tmp_path):
     slow = CostModel.from_seconds(target_step=0.2, drafter_step=0.05, verify=[0.2, 0.3, 0.34])
     fast = CostModel.from_seconds(target_step=0.02, drafter_step=0.005, verify=[0.02, 0.03, 0.034])

@@ -54,3 +54,36 @@ def test_bad_arguments_fail_before_anything_compiles(models):
         serving_runtime(target, close, runtime="compiled", max_window=-1)
     with pytest.raises(ValueError, match="max_cache_len"):
         serving_runtime(target, close, runtime="compiled", max_window=4, max_cache_len=4)
+
+
+def test_loop_overhead_is_the_host_work_the_forwards_do_not_explain(models, monkeypatch):
+    """measure_loop_overhead runs the loop: a host delay added to every drafting round (not to plain steps) shows up
+    in round_overhead at about its size over t_t, and not in plain_overhead. The delay (20 ms) dwarfs the tiny
+    models' forwards (about a millisecond), so the margins hold on a loaded machine."""
+    import time
+
+    from ppow_trl import generation
+    from ppow_trl.cost import calibrate_cost_model
+    from ppow_trl.runtime import measure_loop_overhead
+
+    target, close = models
+    with torch.no_grad():
+        cost = calibrate_cost_model(target, close, max_window=2, context_length=16, repeats=5, warmup=1)
+    measure_loop_overhead(target, close, cost, 2, tokens=(4, 10), repeats=3)
+    quiet_plain, quiet_round = cost.plain_overhead, cost.round_overhead
+    assert quiet_plain >= 0 and quiet_round >= 0 and "loop_overhead" in cost.raw_seconds
+    delay = 0.02
+    verify = generation.greedy_verify_one
+
+    def slow_when_drafting(window, logits):
+        if window:
+            time.sleep(delay)
+        return verify(window, logits)
+
+    monkeypatch.setattr(generation, "greedy_verify_one", slow_when_drafting)
+    measure_loop_overhead(target, close, cost, 2, tokens=(4, 10), repeats=3)
+    t_t = cost.raw_seconds["target_step"]
+    assert cost.round_overhead - quiet_round > 0.6 * delay / t_t
+    assert cost.plain_overhead < quiet_plain + 0.3 * delay / t_t
+    with pytest.raises(ValueError, match="n1 < n2"):
+        measure_loop_overhead(target, close, cost, 2, tokens=(8, 8))

@@ -215,6 +215,24 @@ def test_greedy_is_speculative_sampling_with_one_hot_distributions():
     assert torch.equal(expected_accepted_length(alpha, mask), greedy.accepted_length.float())
 
 
+def test_greedy_verify_one_is_greedy_verify_of_the_one_hot_target():
+    """The generation loop's greedy path (argmaxes, no one-hot) against ``greedy_verify`` on every window length,
+    including ties in the logits (both take the first maximum) and the empty window."""
+    from ppow_trl.verification import greedy_verify_one
+
+    g = torch.Generator().manual_seed(8)
+    for trial in range(200):
+        length = trial % 5
+        logits = torch.randint(0, 3, (length + 1, 7), generator=g).float()  # many ties
+        choices = logits.argmax(-1)
+        window = torch.where(torch.rand(length, generator=g) < 0.6, choices[:length],
+                             torch.randint(0, 7, (length,), generator=g))
+        expected = greedy_verify(window.view(1, length), probabilities_from_logits(logits, 0).unsqueeze(0),
+                                 torch.ones((1, length), dtype=torch.bool))
+        assert greedy_verify_one(window.tolist(), logits) == (int(expected.accepted_length[0]),
+                                                              int(expected.next_token[0]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs_give_float32_finite_results(dtype):
     g = torch.Generator().manual_seed(6)

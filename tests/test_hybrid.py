@@ -1,0 +1,80 @@
+"""The hybrid drafter (ppow_trl.hybrid): the lookup's token where the text repeats, the trained drafter's elsewhere,
+checked position by position against both parts; lossless, with the trained drafter run only where the lookup found
+nothing; clear refusals. The family contract (save/load, the HF route, batched rollouts, exact tau, the cost unit)
+runs in test_families.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_target_and_drafters, make_tiny_llama
+
+from ppow_trl.drafting import drafting_session, family_of, get_family
+from ppow_trl.generation import greedy_continuation, speculative_generate
+from ppow_trl.hybrid import HybridDrafter, hybrid_drafter
+from ppow_trl.prompt_lookup import lookup_next_token
+from ppow_trl.windowing import AdaptiveWindowPolicy
+
+
+@pytest.fixture(scope="module")
+def models():
+    target, _, close = make_target_and_drafters(seed=0, noise=0.3)
+    return target, close, hybrid_drafter(close, target)
+
+
+def _repeating_prompt(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(8, 64, (5,), generator=g)
+    return torch.cat([phrase, torch.randint(8, 64, (3,), generator=g), phrase[:3]]).view(1, -1)
+
+
+def test_each_position_takes_the_lookup_where_it_matches_and_the_model_elsewhere(models):
+    target, close, hybrid = models
+    prompt = _repeating_prompt(0)[0].tolist()
+    text = greedy_continuation(target, prompt, 12, 64)
+    sequence = prompt + text
+    with torch.no_grad():
+        model_logits = close(torch.tensor([sequence])).logits[0]
+    session = drafting_session(hybrid, target)
+    with torch.no_grad():
+        slots = dict(session.teacher_forced_logits(prompt, text, 1))
+    for s in range(len(text)):  # slot 0 of a window after prompt + text[:s]
+        context = sequence[: len(prompt) + s]
+        looked_up = lookup_next_token(context, 3, 1)
+        row = slots[0][s]
+        if looked_up is not None:
+            assert int(row.argmax()) == looked_up and float(row.max()) == 20.0
+        else:
+            torch.testing.assert_close(row, model_logits[len(context) - 1], atol=1e-5, rtol=1e-4)
+
+
+def test_lossless_and_the_model_runs_only_where_the_lookup_found_nothing(models, monkeypatch):
+    target, close, hybrid = models
+    family = family_of(hybrid)
+    sessions = []
+    make_session = family.session
+    monkeypatch.setattr(family, "session", lambda *a, **k: sessions.append(make_session(*a, **k)) or sessions[-1])
+    for seed in range(4):
+        prompt = _repeating_prompt(seed)
+        plain = greedy_continuation(target, prompt[0].tolist(), 24, 64)
+        out = speculative_generate(target, hybrid, prompt, policy=AdaptiveWindowPolicy(3, 0.0), max_new_tokens=24,
+                                   eos_token_id=[])
+        assert out.new_tokens == plain
+        session = sessions[-1]
+        drafted = sum(out.drafted_per_round)
+        assert session.looked_up > 0  # the repeated phrase was looked up...
+        assert session.model.forwards + session.looked_up == session.forwards == drafted  # ...not drafted by the model
+
+
+def test_refuses_drafters_that_do_not_draft_from_the_text_alone():
+    target = make_tiny_llama(num_layers=4, vocab_size=64, seed=0)
+    lookup = get_family("prompt_lookup").build(target)
+    with pytest.raises(ValueError, match="standalone causal LM"):
+        hybrid_drafter(lookup, target)
+    eagle = get_family("eagle3").build(target, target_layer_ids=[1, 2, 4])
+    with pytest.raises(ValueError, match="standalone causal LM"):
+        hybrid_drafter(eagle, target)
+    with pytest.raises(ValueError, match="confidence_logit"):
+        hybrid_drafter(make_tiny_llama(num_layers=1, vocab_size=64), target, confidence_logit=0.0)
+    with pytest.raises(TypeError, match="session"):
+        HybridDrafter.forward(hybrid_drafter(make_tiny_llama(num_layers=1, vocab_size=64), target))
