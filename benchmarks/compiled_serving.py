@@ -17,7 +17,8 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
 Every row: median ms/token [95% CI], tau, speedups against ``compiled_plain[fp32]`` and ``hf_generate_eager``
 (ratio of total times [95% CI]), lossless prompts (tokens equal to compiled plain decoding's) and agreement with
 eager plain decoding; each drafter's cost model on the compiled runtime and the compile seconds of this run.
-Results are written after each (threads, prompt set), and a rerun skips those already in the JSON (``--force``).
+Results are written after each thread count; a rerun skips thread counts already in the JSON (``--force`` reruns
+those asked for and keeps the others).
 
     python benchmarks/compiled_serving.py                              # 80 MT-bench + 40 code prompts, 1 and 2 threads
     python benchmarks/compiled_serving.py --mtbench 24 --code 12 --threads 1
@@ -202,7 +203,8 @@ def main() -> int:
         return 0
     if not (Path(args.drafter) / "config.json").is_file():
         raise SystemExit(f"No drafter at {args.drafter}: run the main job first (README), or pass --drafter FOLDER.")
-    results = json.loads(args.out.read_text()) if args.out.is_file() and not args.force else {"runs": {}, "meta": {}}
+    # --force reruns the thread counts asked for and keeps the others' results.
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {"runs": {}, "meta": {}}
     results["command"] = "python benchmarks/compiled_serving.py " + " ".join(sys.argv[1:])
     for threads in args.threads:
         key = f"threads{threads}"
@@ -218,6 +220,7 @@ def main() -> int:
         if done.returncode:
             raise SystemExit(f"{key} failed (exit {done.returncode}); see the log above.")
         report = json.loads(done.stdout.strip().splitlines()[-1])
+        results["runs"] = {k: v for k, v in results["runs"].items() if not k.startswith(key + "/")}
         for set_name, run in report.pop("runs").items():
             results["runs"][f"{key}/{set_name}"] = run
         report["command"] = results["command"]  # each thread count's own command (the top-level one is the latest)
