@@ -149,7 +149,9 @@ def child(args) -> dict:
               "compile_s": {"ppow_trl_runtime": round(compile_s, 1), "hf_generate_compiled": hf_compile_s and round(hf_compile_s, 1),
                             "inductor_cache": "empty (cold)" if cache_was_empty else "filled (warm)"},
               "cost_models": {name: {"runtime": c.runtime, "t_d/t_t": round(c.drafter_cost, 4),
-                                     "t_v(L)/t_t": [round(v, 3) for v in c.verify_cost], "t_t_ms": round(1000 * c.raw_seconds["target_step"], 2)}
+                                     "t_v(L)/t_t": [round(v, 3) for v in c.verify_cost], "t_t_ms": round(1000 * c.raw_seconds["target_step"], 2),
+                                     "loop_overhead (o_0, o_r, o_d)": [round(c.plain_overhead, 4), round(c.round_overhead, 4),
+                                                                       round(c.drafted_token_overhead, 4)]}
                               for name, c in costs.items()},
               "rules": {name: p.calibration["serving_rule"] for name, p in rules.items()}}
     sets = {"mtbench": args.mtbench, "code": args.code}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import inspect
 import logging
 import os
 import time
@@ -140,6 +141,11 @@ model after the warm-up (a drafter, a second target) failed every guard: a recom
 ``fail_on_recompile``. The entry of the compiled model's own class never changes, so those guards are dropped."""
 
 
+_HAS_GUARD_FILTER = "guard_filter_fn" in inspect.signature(torch._dynamo.optimize).parameters
+"""torch.compile takes ``options={"guard_filter_fn": ...}`` (torch >= 2.8); older versions would pass it to inductor
+as an unknown option."""
+
+
 def _skip_registry_guards(guard_entries) -> list[bool]:
     """``torch.compile``'s ``guard_filter_fn``: keep every guard but those on ``_MUTABLE_REGISTRIES``."""
     return [not any(name in entry.name for name in _MUTABLE_REGISTRIES) for entry in guard_entries]
@@ -171,7 +177,7 @@ class CompiledCausalLM(torch.nn.Module):
         # first call of each shape): passed as torch.compile(options=...), max-autotune's C++ GEMM template was never
         # chosen (SmolLM2's lm head: 9.7/24.0/35.7 ms for 1/2/3 rows either way, 4.5/4.2/3.8 ms with the config set).
         self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False,
-                                       options={"guard_filter_fn": _skip_registry_guards})
+                                       options={"guard_filter_fn": _skip_registry_guards} if _HAS_GUARD_FILTER else None)
         self.warm = False
         self.compile_seconds: float | None = None
 

@@ -37,9 +37,11 @@ class CostModel:
             ``"compiled"``); a rule chosen on one runtime's costs is served on that runtime.
         plain_overhead (`float`): ``o_0``, the serving loop's host work per plain decoding step (argmax, cache
             bookkeeping, the runtime's wrapper) beyond the forward, over ``t_t``; 0: not measured.
-        round_overhead (`float`): ``o_r``, the loop's host work per drafting round (the drafted tokens' argmax and
-            confidences, verification, both caches' rollback) beyond the forwards, over ``t_t``; 0: not measured.
-            Both are measured by running the loop (``ppow_trl.runtime.measure_loop_overhead``): on the compiled
+        round_overhead (`float`): ``o_r``, the loop's host work per drafting round (verification, both caches'
+            rollback) beyond the forwards, over ``t_t``; 0: not measured.
+        drafted_token_overhead (`float`): ``o_d``, the loop's host work per drafted token (its argmax and
+            confidence) beyond the drafter's forward, over ``t_t``; 0: not measured.
+            The three are measured by running the loop (``ppow_trl.runtime.measure_loop_overhead``): on the compiled
             runtime a round's host work is a few percent of a step, the size of the margins a rule is chosen on.
     """
 
@@ -51,6 +53,7 @@ class CostModel:
     runtime: str = "eager"
     plain_overhead: float = 0.0
     round_overhead: float = 0.0
+    drafted_token_overhead: float = 0.0
 
     def __post_init__(self):
         if self.drafter_cost < 0 or not self.verify_cost or any(c <= 0 for c in self.verify_cost):
@@ -58,9 +61,10 @@ class CostModel:
                 f"Invalid cost model: drafter_cost={self.drafter_cost}, verify_cost={self.verify_cost}. Costs are "
                 "ratios to one target step: drafter_cost >= 0 and a non-empty list of positive verify costs."
             )
-        if self.plain_overhead < 0 or self.round_overhead < 0:
+        if min(self.plain_overhead, self.round_overhead, self.drafted_token_overhead) < 0:
             raise ValueError(f"Loop overheads are >= 0 (ratios to one target step), got plain_overhead="
-                             f"{self.plain_overhead}, round_overhead={self.round_overhead}.")
+                             f"{self.plain_overhead}, round_overhead={self.round_overhead}, drafted_token_overhead="
+                             f"{self.drafted_token_overhead}.")
 
     @classmethod
     def from_seconds(cls, target_step: float, drafter_step: float, verify: list[float], description: str = "") -> "CostModel":
@@ -86,11 +90,12 @@ class CostModel:
 
     def round_time(self, window_length: torch.Tensor) -> torch.Tensor:
         """Time of one round relative to a plain decoding step of the serving loop:
-        ``(L t_d + t_v(L) + o(L)) / (1 + o_0)`` with ``o(0) = o_0`` (``plain_overhead``) and ``o(L > 0) = o_r``
-        (``round_overhead``); a block drafter's round costs ``t_d`` once. ``L = 0`` is exactly 1, and with no
-        overhead measured this is ``L t_d + t_v(L)``."""
+        ``(L t_d + t_v(L) + o(L)) / (1 + o_0)`` with ``o(0) = o_0`` (``plain_overhead``) and ``o(L > 0) = o_r + L o_d``
+        (``round_overhead``, ``drafted_token_overhead``); a block drafter's round costs ``t_d`` once. ``L = 0`` is
+        exactly 1, and with no overhead measured this is ``L t_d + t_v(L)``."""
         forwards = self.drafter_forwards(window_length) * self.drafter_cost + self.verify_time(window_length)
-        overhead = torch.where(window_length > 0, self.round_overhead, self.plain_overhead)
+        drafting = self.round_overhead + window_length.float() * self.drafted_token_overhead
+        overhead = torch.where(window_length > 0, drafting, torch.full_like(drafting, self.plain_overhead))
         return (forwards + overhead) / (1.0 + self.plain_overhead)
 
     def save_pretrained(self, folder: str | Path) -> Path:
@@ -108,7 +113,7 @@ class CostModel:
 def speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_model: CostModel) -> torch.Tensor:
     """Cost-aware speedup of one round: ``S(y) = (E[A|y] + 1) * t_t / (L * t_d + t_v(L))`` (a block drafter's
     round costs ``t_d + t_v(L)``; with the loop's host work measured, ``(E[A|y] + 1) (1 + o_0) / (L t_d + t_v(L) +
-    o_r)``: ``CostModel.round_time``).
+    o_r + L o_d)``: ``CostModel.round_time``).
 
     The numerator counts the tokens the round yields (accepted + correction/bonus); the denominator
     is its time in target steps, so ``S = 1`` means as fast as plain decoding. Greedy training may

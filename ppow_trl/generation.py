@@ -38,7 +38,7 @@ import torch
 
 from .drafting import check_window, drafting_session
 from .features import forward_at
-from .models import output_vocab_rows
+from .models import logits_width
 from .utils import crop_cache
 from .verification import (
     acceptance_histogram,
@@ -147,14 +147,8 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _vocab_width(model) -> int:
-    """Width of the logits ``model`` returns (its output rows)."""
-    width = getattr(model.config, "full_vocab_size", None)  # PPOWDrafterForCausalLM scatters into this width
-    return int(width if width is not None else output_vocab_rows(model))
-
-
 def _shared_vocab(target, drafter, vocab_size) -> int:
-    target_width, drafter_width = _vocab_width(target), _vocab_width(drafter)
+    target_width, drafter_width = logits_width(target), logits_width(drafter)
     if vocab_size is None:
         if target_width != drafter_width:
             raise ValueError(

@@ -12,7 +12,9 @@ so the window rule (``prod conf_j >= h``, up to ``K``; a looked-up token's confi
 
 The trained drafter is read lazily: while lookups supply the tokens it does not run, and when it is needed it
 catches up on every token it has not read in one forward (``StandaloneSession.extend``). The cost model charges the
-trained drafter's step for every drafted token (``timed_step``), an upper bound: looked-up tokens cost about nothing.
+trained drafter's step for every drafted token (``timed_step``), an upper bound: looked-up tokens cost about nothing
+(the loop's measured host work, ``ppow_trl.runtime.measure_loop_overhead``, gives part of that back where the
+measurement's context had lookups: the loop's time on that context is what the model predicts).
 
 Nothing new is trained: train the inner drafter (``PPOWTrainer``, KD), then wrap it (``hybrid_drafter``). The inner
 drafter is any family that reads no target features (standalone drafters, the main job's reduced-vocabulary one).
@@ -28,11 +30,12 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 
-from ._family_io import read_config
+from ._family_io import local_folder, read_config
 from .assistant_loop import check_assistant_call, draft_window
-from .drafting import DrafterFamily, family_of, get_family, load_drafter
+from .drafting import HUB_KWARGS, DrafterFamily, family_of, get_family, load_drafter
 from .prompt_lookup import PromptLookupConfig, PromptLookupDrafter, PromptLookupSession, lookup_next_token
-from .utils import unwrap_model
+from .models import logits_width
+from .utils import is_peft_model, unwrap_model
 from .windowing import configure_generation_config
 
 INNER_FOLDER = "drafter"
@@ -104,13 +107,15 @@ def _check_inner(drafter) -> None:
 
 
 def hybrid_drafter(drafter, target=None, *, max_ngram_size: int = 3, min_ngram_size: int = 1,
-                   confidence_logit: float = 20.0, vocab_size: int | None = None) -> HybridDrafter:
-    """Wrap a trained ``drafter`` with prompt lookup (module docstring). ``vocab_size``: the lookup's vocabulary (the
-    target's output rows by default)."""
+                   confidence_logit: float = 20.0) -> HybridDrafter:
+    """Wrap a trained ``drafter`` (merged: not a PEFT model) with prompt lookup (module docstring). The lookup's
+    logits have the inner drafter's width, so that every token the hybrid proposes has one shape whichever part
+    proposed it."""
+    if is_peft_model(drafter):
+        raise ValueError("hybrid_drafter wraps the drafter as served: merge the adapter first "
+                         "(`drafter = peft_model.merge_and_unload()`).")
     _check_inner(drafter)
-    if vocab_size is None:
-        head = (target if target is not None else unwrap_model(drafter)).get_output_embeddings()
-        vocab_size = head.out_features
+    vocab_size = logits_width(drafter)
     config = HybridConfig(vocab_size=vocab_size, max_ngram_size=max_ngram_size, min_ngram_size=min_ngram_size,
                           confidence_logit=confidence_logit, drafter_family=family_of(drafter).name)
     hybrid = HybridDrafter(config, drafter)
@@ -202,7 +207,7 @@ def hybrid_generate(*args, model, input_ids=None, generation_config=None, logits
     if session is None or session.lookup.sequences[0] != sequence[: len(session.lookup.sequences[0])]:
         session = HybridSession(model)  # a new generation (or another sequence): start over
         model._ppow_session = session
-    session.rollback(len(sequence))
+    session.rollback(len(sequence) - 1)  # the inner drafter re-reads at least the last token: it gives its logits
     logits = session.extend(sequence)
     return draft_window(model, session, logits, input_ids, generation_config, logits_processor, max_new_tokens)
 
@@ -238,20 +243,15 @@ class HybridFamily(DrafterFamily):
                               confidence_logit=confidence_logit)
 
     def load(self, folder_or_repo, *, target=None, **from_pretrained_kwargs):
-        from_pretrained_kwargs.pop("trust_remote_code", None)  # our own classes: no remote code involved
-        hub_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "token", "cache_dir")}
-        config = HybridConfig.from_dict(read_config(folder_or_repo, **hub_kwargs) or {})
-        source = Path(str(folder_or_repo))
-        inner_source = source / INNER_FOLDER if source.is_dir() else None
-        if inner_source is None:  # a Hub repo: its files, then the subfolder
-            from ._family_io import local_folder
-
-            inner_source = local_folder(folder_or_repo, **hub_kwargs) / INNER_FOLDER
-        inner = load_drafter(inner_source, target=target, **from_pretrained_kwargs)
+        """The hybrid's settings from ``config.json``, its inner drafter from ``drafter/`` (a Hub repo is fetched
+        first; ``from_pretrained_kwargs`` go to the inner drafter's load, ``trust_remote_code`` included)."""
+        hub_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in HUB_KWARGS}
+        folder = local_folder(folder_or_repo, **hub_kwargs)
+        config = HybridConfig.from_dict(read_config(folder) or {})
+        inner = load_drafter(folder / INNER_FOLDER, target=target, **from_pretrained_kwargs)
         hybrid = HybridDrafter(config, inner.eval())
-        generation = source / "generation_config.json"
-        if generation.is_file():
-            hybrid.generation_config = GenerationConfig.from_pretrained(str(source))
+        if (folder / "generation_config.json").is_file():
+            hybrid.generation_config = GenerationConfig.from_pretrained(str(folder))
         return hybrid.to(next(inner.parameters()).device).eval()
 
     def session(self, drafter, target=None):

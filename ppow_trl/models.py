@@ -413,6 +413,14 @@ def output_vocab_rows(model) -> int:
     return head.out_features if head is not None else model.config.get_text_config().vocab_size
 
 
+def logits_width(model) -> int:
+    """Width of the logits ``model``'s forward returns: ``config.full_vocab_size`` for a reduced-vocabulary drafter
+    (it scatters its head into it; read from the config so that wrappers such as the compiled runtime's count),
+    else ``output_vocab_rows``."""
+    width = getattr(getattr(model, "config", None), "full_vocab_size", None)
+    return int(width if width is not None else output_vocab_rows(model))
+
+
 def shared_vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """`logits[..., :vocab_size]`: drop padded embedding rows so target and drafter logits line up."""
     if logits.shape[-1] < vocab_size:

@@ -30,6 +30,7 @@ import torch
 from .compiled import CompiledCausalLM, CompileSettings
 from .cost import CostModel, calibrate_cost_model
 from .drafting import family_of
+from .models import logits_width
 from .generation import speculative_generate
 from .windowing import AdaptiveWindowPolicy
 
@@ -59,14 +60,15 @@ class ServingRuntime:
             return f"compiled (inductor {self.settings}, warm-up {self.compile_seconds:.0f} s)"
         return "eager" + (f" (compiled unavailable: {self.fallback})" if self.fallback else "")
 
-    def measure_cost_model(self, max_window: int, *, loop_overhead: bool = True, **kwargs) -> CostModel:
+    def measure_cost_model(self, max_window: int, *, loop_overhead: bool = True, vocab_size: int | None = None,
+                           **kwargs) -> CostModel:
         """``calibrate_cost_model`` on these models (``kwargs``: its options), labelled with this runtime, plus the
-        serving loop's host work per step and per round (``measure_loop_overhead``; ``loop_overhead=False`` skips
-        it): the one way the trainer's speed reward and the served rule get their costs."""
+        serving loop's host work per step, per round and per drafted token (``measure_loop_overhead``, over the shared
+        ``vocab_size``; ``loop_overhead=False`` skips it): the one way the trainer's speed reward and the served rule get their costs."""
         with torch.no_grad():
             cost_model = calibrate_cost_model(self.target, self.drafter, max_window, **kwargs)
             if loop_overhead:
-                measure_loop_overhead(self.target, self.drafter, cost_model, max_window,
+                measure_loop_overhead(self.target, self.drafter, cost_model, max_window, vocab_size=vocab_size,
                                       context_ids=kwargs.get("context_ids"), seed=kwargs.get("seed", 0))
         cost_model.runtime = self.name
         cost_model.description += f"; runtime {self.describe()}"
@@ -74,57 +76,84 @@ class ServingRuntime:
 
 
 def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: int, *, context_ids=None,
-                          tokens: tuple[int, int] = (16, 48), repeats: int = 3, seed: int = 0) -> CostModel:
-    """Fill ``cost_model``'s ``plain_overhead`` ``o_0`` and ``round_overhead`` ``o_r`` by running the serving loop.
+                          vocab_size: int | None = None, tokens: tuple[int, int] = (12, 36), repeats: int = 3,
+                          seed: int = 0) -> CostModel:
+    """Fill ``cost_model``'s loop overheads (``o_0``, ``o_r``, ``o_d``: ``CostModel``) by running the serving loop.
 
-    ``speculative_generate`` runs plain (``K = 0``) and with a fixed window (``K = max_window``, ``h = 0``) for
-    ``n1`` and ``n2`` new tokens (``tokens``), back to back, ``repeats`` times. The forwards' share of each run is
-    what the cost model predicts for its rounds, ``t_t sum_rounds (L t_d + t_v(L))``; the rest is host work. The
-    difference between the ``n2`` and the ``n1`` runs cancels the prefill:
+    ``speculative_generate`` runs plain (``K = 0``) and with fixed windows of ``1`` and ``max_window`` tokens
+    (``h = 0``), each for ``n1`` and ``n2`` new tokens (``tokens``), back to back, ``repeats`` times. The forwards'
+    share of a run is what the cost model predicts for its rounds, ``F = t_t sum_rounds (L t_d + t_v(L))``; the rest,
+    ``H = W - F`` with ``W`` the wall time, is host work. The difference ``d`` between the ``n2`` and the ``n1`` runs
+    cancels the prefill. Then
 
-        ``o = median_repeats [(W(n2) - W(n1)) - (F(n2) - F(n1))] / (R(n2) - R(n1)) / t_t``
+        ``o_0 = median_repeats d(H) / d(R) / t_t`` over the plain runs (``R``: rounds), and
+        ``d(H) - o_0 t_t d(R_0) = t_t (o_r d(R_+) + o_d d(D))`` over the drafting runs, solved by least squares,
 
-    with ``W`` the wall time, ``F`` the predicted forward time and ``R`` the rounds. Negative estimates (noise) count
-    as 0. ``context_ids``: the context to generate after (a random one of 64 tokens when ``None``), cut to leave
-    room in a static cache. Returns ``cost_model``, changed in place.
+    with ``R_0`` the rounds that drafted nothing (the window is capped by the tokens left), ``R_+`` the drafting
+    rounds and ``D`` the drafted tokens (per drafted token: its argmax, its confidence; per round: verification, both
+    caches' rollback). Negative estimates (noise) count as 0.
+    ``context_ids``: the context to generate after (a random one of 64 tokens when ``None``), cut to leave room in a
+    static cache; ``vocab_size``: the shared vocabulary (default: the narrower model's logits). Returns
+    ``cost_model``, changed in place.
     """
-    if max_window < 1 or not 0 < tokens[0] < tokens[1]:
-        raise ValueError(f"measure_loop_overhead needs max_window >= 1 and 0 < n1 < n2, got {max_window}, {tokens}.")
+    if max_window < 1 or not 0 < tokens[0] < tokens[1] or repeats < 1:
+        raise ValueError(f"measure_loop_overhead needs max_window >= 1, 0 < n1 < n2 and repeats >= 1, got "
+                         f"{max_window}, {tokens}, {repeats}.")
+    t_t = cost_model.raw_seconds.get("target_step")
+    if not t_t:
+        raise ValueError("measure_loop_overhead needs a measured cost model (raw_seconds['target_step']).")
     device = next(target.parameters()).device
     if context_ids is None:
         vocab = min(target.get_input_embeddings().num_embeddings, family_of(drafter).input_vocab_size(drafter, target))
         context_ids = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(seed))
     room = getattr(target, "max_cache_len", None)
     if room is not None:
-        context_ids = context_ids[:, -(room - tokens[1] - max_window - 2):]
+        keep = room - tokens[1] - max_window - 2
+        if keep < 1:
+            raise ValueError(f"A static cache of {room} positions leaves no room for a context and {tokens[1]} new "
+                             f"tokens: pass smaller tokens=, or build the runtime with a larger max_cache_len.")
+        context_ids = context_ids[:, -keep:]
     context_ids = context_ids.to(device)
-    t_t = cost_model.raw_seconds.get("target_step")
-    if not t_t:
-        raise ValueError("measure_loop_overhead needs a measured cost model (raw_seconds['target_step']).")
-    policies = {"plain": AdaptiveWindowPolicy(max_window=0), "round": AdaptiveWindowPolicy(max_window, 0.0)}
+    vocab_size = vocab_size or min(logits_width(target), logits_width(drafter))
+    windows = sorted({0, 1, max_window})
     bare = CostModel(cost_model.drafter_cost, cost_model.verify_cost, drafter_per_round=cost_model.drafter_per_round)
 
-    def run(policy, new_tokens):
+    def run(window, new_tokens):
+        policy = AdaptiveWindowPolicy(window, 0.0)
         started = time.perf_counter()
         out = speculative_generate(target, drafter, context_ids, policy=policy, max_new_tokens=new_tokens,
-                                   eos_token_id=[])
+                                   eos_token_id=[], vocab_size=vocab_size)
         wall = time.perf_counter() - started
         lengths = torch.tensor(out.drafted_per_round)
-        return wall, float(bare.round_time(lengths).sum()) * t_t, len(lengths)
+        # host time, then the rounds that drafted nothing (the last one or two: the window is capped by the tokens
+        # left), the drafting rounds and the drafted tokens
+        return torch.tensor([wall - float(bare.round_time(lengths).sum()) * t_t, float((lengths == 0).sum()),
+                             float((lengths > 0).sum()), float(lengths.sum())], dtype=torch.float64)
 
-    estimates = {name: [] for name in policies}
+    deltas = {window: [] for window in windows}  # (n2 run) - (n1 run): the prefill cancels
     with torch.no_grad():
-        run(policies["round"], tokens[0])  # untimed: first calls (allocations, the drafter's cache)
+        run(max_window, tokens[0])  # untimed: first calls (allocations, the drafter's cache)
         for _ in range(repeats):
-            for name, policy in policies.items():
-                (w1, f1, r1), (w2, f2, r2) = run(policy, tokens[0]), run(policy, tokens[1])
-                if r2 > r1:
-                    estimates[name].append(((w2 - w1) - (f2 - f1)) / (r2 - r1) / t_t)
-    cost_model.plain_overhead = max(0.0, statistics.median(estimates["plain"]))
-    cost_model.round_overhead = max(0.0, statistics.median(estimates["round"]))
-    cost_model.raw_seconds["loop_overhead"] = {"plain_step": cost_model.plain_overhead * t_t,
-                                               "drafting_round": cost_model.round_overhead * t_t,
-                                               "tokens": list(tokens), "repeats": repeats}
+            for window in windows:
+                deltas[window].append(run(window, tokens[1]) - run(window, tokens[0]))
+    plain = [float(d[0] / d[1]) for d in deltas[0] if d[1] > 0]
+    if not plain:
+        raise RuntimeError(f"measure_loop_overhead: {tokens[1]} new tokens took no more steps than {tokens[0]}.")
+    cost_model.plain_overhead = max(0.0, statistics.median(plain)) / t_t
+    # Drafting runs: host time - o_0 (plain rounds) = o_r (drafting rounds) + o_d (drafted tokens), summed over the
+    # repeats, one equation per window length; least squares (exact with two lengths).
+    rows = torch.stack([torch.stack(deltas[window]).sum(0) for window in windows if window > 0])
+    excess = (rows[:, 0] - cost_model.plain_overhead * t_t * rows[:, 1]) / t_t
+    if len(rows) == 1 or max_window == 1:
+        solution = torch.stack([excess.sum() / rows[:, 2].sum(), excess.new_zeros(())])
+    else:
+        solution = torch.linalg.lstsq(rows[:, 2:], excess.unsqueeze(-1)).solution.squeeze(-1)
+    cost_model.drafted_token_overhead = max(0.0, float(solution[1]))
+    cost_model.round_overhead = max(0.0, float(solution[0]) if solution[1] >= 0 else float(excess.sum() / rows[:, 2].sum()))
+    cost_model.raw_seconds["loop_overhead"] = {
+        "plain_step": cost_model.plain_overhead * t_t, "drafting_round": cost_model.round_overhead * t_t,
+        "drafted_token": cost_model.drafted_token_overhead * t_t, "windows": windows, "tokens": list(tokens),
+        "repeats": repeats}
     return cost_model
 
 

@@ -66,7 +66,7 @@ def calibrate_for_serving(
     if room is not None and len(typical) + max_window + 1 > room:  # a static cache: time its last positions
         typical = typical[-(room - max_window - 1):]
     cost_model = runtime.measure_cost_model(max_window, context_ids=typical.view(1, -1), repeats=cost_repeats,
-                                            seed=seed)
+                                            seed=seed, vocab_size=vocab_size)
     cost_model.description += f"; served drafter (eval, merged); context = median held-out ({len(typical)} tokens)"
     policy, report = calibrate_policy(target, drafter, contexts, cost_model, max_window=max_window, regime=regime,
                                       temperature=temperature, confidence_temperature=confidence_temperature,
@@ -93,8 +93,9 @@ def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | 
     costs = "cost model not measured" if cost_model is None else (
         f"{cost_model.runtime} runtime: t_d/t_t = {cost_model.drafter_cost:.3f}, t_v(L)/t_t for L = 1..{len(cost_model.verify_cost) - 1} = "
         + " / ".join(f"{c:.2f}" for c in cost_model.verify_cost[1:])
-        + (f", loop host work per step / per round = {cost_model.plain_overhead:.3f} / {cost_model.round_overhead:.3f}"
-           if cost_model.plain_overhead or cost_model.round_overhead else ""))
+        + (f", loop host work per plain step / per round / per drafted token = {cost_model.plain_overhead:.3f} / "
+           f"{cost_model.round_overhead:.3f} / {cost_model.drafted_token_overhead:.3f}"
+           if cost_model.plain_overhead or cost_model.round_overhead or cost_model.drafted_token_overhead else ""))
     calibration = policy.calibration or {}
     predicted = calibration.get("predicted_speedup")
     if policy.max_window == 0:

@@ -78,3 +78,16 @@ def test_refuses_drafters_that_do_not_draft_from_the_text_alone():
         hybrid_drafter(make_tiny_llama(num_layers=1, vocab_size=64), target, confidence_logit=0.0)
     with pytest.raises(TypeError, match="session"):
         HybridDrafter.forward(hybrid_drafter(make_tiny_llama(num_layers=1, vocab_size=64), target))
+
+
+def test_hf_route_keeps_its_session_across_calls_and_restarts_on_a_new_prompt(models):
+    """The hook keeps the inner drafter's cache between the assistant calls of a generation; the same prompt again
+    (the inner drafter has read all of it) and another prompt start over, lossless each time."""
+    target, close, _ = models
+    hybrid = hybrid_drafter(close, target)
+    family_of(hybrid).attach(hybrid, target, AdaptiveWindowPolicy(3, 0.0))
+    settings = dict(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=None)
+    for prompt in (_repeating_prompt(5), _repeating_prompt(5), _repeating_prompt(6)):
+        with torch.no_grad():
+            plain = target.generate(prompt, **settings)
+            assert torch.equal(target.generate(prompt, assistant_model=hybrid, **settings), plain)

@@ -85,12 +85,13 @@ def test_speedup_formula_and_extrapolation():
 
 
 def test_speedup_charges_the_loops_host_work():
-    """With the loop's host work measured, S = (A + 1)(1 + o_0) / (L t_d + t_v(L) + o_r): a plain step stays 1x, and
-    an overhead per drafting round lowers every speculative round's speedup (a margin a rule must clear)."""
+    """With the loop's host work measured, S = (A + 1)(1 + o_0) / (L t_d + t_v(L) + o_r + L o_d): a plain step stays
+    1x, and host work per drafting round lowers every speculative round's speedup (a margin a rule must clear)."""
     bare = CostModel(drafter_cost=0.1, verify_cost=[1.0, 1.02, 1.05])
-    loop = CostModel(drafter_cost=0.1, verify_cost=[1.0, 1.02, 1.05], plain_overhead=0.03, round_overhead=0.06)
+    loop = CostModel(drafter_cost=0.1, verify_cost=[1.0, 1.02, 1.05], plain_overhead=0.03, round_overhead=0.06,
+                     drafted_token_overhead=0.01)
     accepted, lengths = torch.tensor([0.0, 1.0, 0.4, 2.0]), torch.tensor([0, 1, 2, 2])
-    want = [(a + 1) * 1.03 / (l * 0.1 + t + (0.06 if l else 0.03))
+    want = [(a + 1) * 1.03 / (l * 0.1 + t + (0.06 + 0.01 * l if l else 0.03))
             for a, l, t in zip([0.0, 1.0, 0.4, 2.0], [0, 1, 2, 2], [1.0, 1.02, 1.05, 1.05])]
     assert torch.allclose(speedup(accepted, lengths, loop), torch.tensor(want))
     assert speedup(torch.tensor([0.0]), torch.tensor([0]), loop).item() == pytest.approx(1.0)

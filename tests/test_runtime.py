@@ -57,9 +57,10 @@ def test_bad_arguments_fail_before_anything_compiles(models):
 
 
 def test_loop_overhead_is_the_host_work_the_forwards_do_not_explain(models, monkeypatch):
-    """measure_loop_overhead runs the loop: a host delay added to every drafting round (not to plain steps) shows up
-    in round_overhead at about its size over t_t, and not in plain_overhead. The delay (20 ms) dwarfs the tiny
-    models' forwards (about a millisecond), so the margins hold on a loaded machine."""
+    """measure_loop_overhead runs the loop: host delays added to every drafting round and to every drafted token (not
+    to plain steps) show up in round_overhead and drafted_token_overhead at about their size over t_t, and not in
+    plain_overhead. The delays (20 ms) dwarf the tiny models' forwards (about a millisecond), so the margins hold on a
+    loaded machine."""
     import time
 
     from ppow_trl import generation
@@ -69,21 +70,21 @@ def test_loop_overhead_is_the_host_work_the_forwards_do_not_explain(models, monk
     target, close = models
     with torch.no_grad():
         cost = calibrate_cost_model(target, close, max_window=2, context_length=16, repeats=5, warmup=1)
-    measure_loop_overhead(target, close, cost, 2, tokens=(4, 10), repeats=3)
-    quiet_plain, quiet_round = cost.plain_overhead, cost.round_overhead
-    assert quiet_plain >= 0 and quiet_round >= 0 and "loop_overhead" in cost.raw_seconds
+    measure_loop_overhead(target, close, cost, 3, tokens=(4, 10), repeats=3)
+    quiet = cost.plain_overhead, cost.round_overhead, cost.drafted_token_overhead
+    assert min(quiet) >= 0 and "loop_overhead" in cost.raw_seconds
     delay = 0.02
     verify = generation.greedy_verify_one
 
-    def slow_when_drafting(window, logits):
-        if window:
-            time.sleep(delay)
+    def slow_per_round_and_token(window, logits):  # 20 ms a drafting round + 20 ms a drafted token
+        time.sleep(delay * (1 + len(window)) if window else 0.0)
         return verify(window, logits)
 
-    monkeypatch.setattr(generation, "greedy_verify_one", slow_when_drafting)
-    measure_loop_overhead(target, close, cost, 2, tokens=(4, 10), repeats=3)
+    monkeypatch.setattr(generation, "greedy_verify_one", slow_per_round_and_token)
+    measure_loop_overhead(target, close, cost, 3, tokens=(4, 10), repeats=3)
     t_t = cost.raw_seconds["target_step"]
-    assert cost.round_overhead - quiet_round > 0.6 * delay / t_t
-    assert cost.plain_overhead < quiet_plain + 0.3 * delay / t_t
+    assert 0.6 < (cost.round_overhead - quiet[1]) / (delay / t_t) < 1.6
+    assert 0.6 < (cost.drafted_token_overhead - quiet[2]) / (delay / t_t) < 1.6
+    assert cost.plain_overhead < quiet[0] + 0.3 * delay / t_t
     with pytest.raises(ValueError, match="n1 < n2"):
         measure_loop_overhead(target, close, cost, 2, tokens=(8, 8))
