@@ -169,8 +169,36 @@ def child(args) -> dict:
     return report
 
 
+def plot(results: dict, path: Path) -> None:
+    """Speedup over transformers' eager generate of every arm, with its 95% CI, one panel per (threads, prompt set)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    figure, axes = plt.subplots(1, len(runs), figsize=(4.6 * len(runs), 3.6), squeeze=False)
+    for axis, (key, run) in zip(axes[0], runs.items()):
+        labels = list(run["arms"])
+        values = [run["arms"][label]["speedup_vs_hf_generate_eager"] for label in labels]
+        low, high = zip(*[run["arms"][label]["speedup_vs_hf_generate_eager_ci95"] for label in labels])
+        axis.barh(range(len(labels)), values, xerr=[[v - lo for v, lo in zip(values, low)],
+                                                    [hi - v for v, hi in zip(values, high)]], color="tab:blue")
+        axis.axvline(1.0, color="grey", linewidth=0.8)
+        axis.set_yticks(range(len(labels)), [label.replace("compiled_speculative", "spec") for label in labels],
+                        fontsize=7)
+        axis.set_title(f"{key} ({run['prompts']} prompts)", fontsize=9)
+        axis.set_xlabel("speedup vs hf_generate_eager (fp32)", fontsize=8)
+    meta = next(iter(results["meta"].values()))
+    figure.suptitle(f"Greedy serving, {meta.get('max_new_tokens', 128)} new tokens, {meta['cpu'].get('model')}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def markdown(results: dict) -> str:
-    lines = ["# Compiled serving, side by side", "", f"Command: `{results.get('command', '')}`", ""]
+    lines = ["# Compiled serving, side by side", "", f"Command: `{results.get('command', '')}`", "",
+             "![speedups](compiled_serving.png)", ""]
     for key, run in results["runs"].items():
         meta = results["meta"][key.split("/")[0]]
         lines += [f"## {key}: {run['prompts']} prompts ({run['skipped_too_long']} longer than the static cache "
@@ -229,6 +257,7 @@ def main() -> int:
         results["meta"][key] = report
         args.out.write_text(json.dumps(results, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(markdown(results))
+        plot(results, args.out.with_suffix(".png"))
     print(args.out.with_suffix(".md").read_text())
     return 0
 
