@@ -22,7 +22,8 @@ import torch
 
 from .cost import CostModel
 from .rollout import verify_windows
-from .windowing import AdaptiveWindowPolicy, expected_accepted_within, policy_speedup, search_window_grid
+from .windowing import (AdaptiveWindowPolicy, charged_within, expected_accepted_within, policy_speedup,
+                        search_window_grid)
 
 REGIMES = ("greedy", "sampling", "both")
 DEFAULT_THRESHOLDS = tuple(i / 20 for i in range(20))
@@ -68,8 +69,10 @@ def calibration_rollouts(
     batch_size: int = 16,
     seed: int = 0,
     samples_per_context: int = 1,
+    return_charged: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Windows of ``max_window`` tokens after each context: ``(confidences, P(A >= k | y))``, both ``(N S, K)``.
+    """Windows of ``max_window`` tokens after each context: ``(confidences, P(A >= k | y))``, both ``(N S, K)``, and
+    with ``return_charged`` the drafter forwards each token cost (``DraftedWindows.charged``; ``None``: all 1).
 
     ``greedy``: greedy drafting and verification; else both at ``temperature``, ``S = samples_per_context`` windows
     per context (rows context-major; each context prefilled once). The sampling generator lives on the drafter's
@@ -78,7 +81,7 @@ def calibration_rollouts(
     full = AdaptiveWindowPolicy(max_window, 0.0, confidence_temperature)
     device = next(drafter.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
-    confidences, prefixes = [], []
+    confidences, prefixes, charged = [], [], []
     step = max(1, batch_size // samples_per_context)
     for start in range(0, len(contexts), step):
         chunk = contexts[start : start + step]
@@ -88,6 +91,10 @@ def calibration_rollouts(
         # Rows of a batch stop together only when all stopped: with h = 0 every row drafts K tokens.
         confidences.append(verified.drafted.confidences.float().cpu())
         prefixes.append(verified.prefix.float().cpu())
+        if verified.drafted.charged is not None:
+            charged.append(verified.drafted.charged.float().cpu())
+    if return_charged:
+        return torch.cat(confidences), torch.cat(prefixes), (torch.cat(charged) if charged else None)
     return torch.cat(confidences), torch.cat(prefixes)
 
 
@@ -130,24 +137,26 @@ def calibrate_policy(
         name: calibration_rollouts(target, drafter, contexts, max_window=max_window,
                                    confidence_temperature=confidence_temperature, greedy=name == "greedy",
                                    temperature=temperature, vocab_size=vocab_size, pad_id=pad_id,
-                                   batch_size=batch_size, seed=seed)
+                                   batch_size=batch_size, seed=seed, return_charged=True)
         for name in regimes
     }
     grids = {name: search_window_grid(conf, prefix, cost_model, thresholds=thresholds, max_windows=max_windows,
                                            confidence_temperature=confidence_temperature,
-                                           allow_no_speculation=allow_no_speculation)[1]
-             for name, (conf, prefix) in rollouts.items()}
+                                           allow_no_speculation=allow_no_speculation, charged=charged)[1]
+             for name, (conf, prefix, charged) in rollouts.items()}
     # The grids list the same (K, h) in the same order; "both" maximises the mean speedup.
     mean = [sum(grids[name][i]["speedup"] for name in regimes) / len(regimes) for i in range(len(grids[regimes[0]]))]
     best = max(range(len(mean)), key=mean.__getitem__)
     chosen = grids[regimes[0]][best]
     policy = AdaptiveWindowPolicy(chosen["max_window"], chosen["threshold"], confidence_temperature)
     expected = {}
-    for name, (conf, prefix) in rollouts.items():
+    for name, (conf, prefix, _) in rollouts.items():
         expected[name] = float(expected_accepted_within(prefix, policy.window_lengths(conf)).mean())
-    lengths = policy.window_lengths(rollouts[regimes[0]][0])
+    confidences, _, charged = rollouts[regimes[0]]
+    lengths = policy.window_lengths(confidences)
     if guard is not None and policy.max_window > 0:
-        policy.guard = {**guard, "break_even_tokens": float(cost_model.round_time(lengths).mean())}
+        policy.guard = {**guard, "break_even_tokens": float(cost_model.round_time(
+            lengths, charged_within(charged, lengths)).mean())}
         policy.new_guard()  # validates the settings
     fixed = AdaptiveWindowPolicy(max_window, 0.0, confidence_temperature)
     policy.calibration = {
@@ -157,9 +166,9 @@ def calibrate_policy(
         "max_window_searched": max_window,
         "predicted_speedup": mean[best],
         "expected_accepted": expected,
-        "fixed_window_speedup": {name: float(policy_speedup(fixed, conf, prefix, cost_model))
-                                 for name, (conf, prefix) in rollouts.items()},
+        "fixed_window_speedup": {name: float(policy_speedup(fixed, conf, prefix, cost_model, charged))
+                                 for name, (conf, prefix, charged) in rollouts.items()},
     }
     report = {"policy": policy, "grid": {name: grids[name] for name in regimes}, "mean_speedup": mean,
-              "window_lengths": lengths.tolist(), "confidences": rollouts[regimes[0]][0]}
+              "window_lengths": lengths.tolist(), "confidences": confidences, "charged": charged}
     return policy, report

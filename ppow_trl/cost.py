@@ -84,16 +84,20 @@ class CostModel:
         inside = table[window_length.long().clamp(0, last)]
         return torch.where(window_length > last, table[-1] + slope * (window_length.float() - last), inside)
 
-    def drafter_forwards(self, window_length: torch.Tensor) -> torch.Tensor:
-        """Drafter forwards of a round drafting ``L`` tokens: ``L``, or ``1[L > 0]`` for a block drafter."""
-        return (window_length > 0).float() if self.drafter_per_round else window_length.float()
+    def drafter_forwards(self, window_length: torch.Tensor, charged: torch.Tensor | None = None) -> torch.Tensor:
+        """Drafter forwards of a round drafting ``L`` tokens: ``L`` (``charged``: those of its tokens the drafter's
+        model ran for, when some came free: a hybrid's lookups), or ``1[L > 0]`` for a block drafter."""
+        if self.drafter_per_round:
+            return (window_length > 0).float()
+        return window_length.float() if charged is None else charged.float()
 
-    def round_time(self, window_length: torch.Tensor) -> torch.Tensor:
+    def round_time(self, window_length: torch.Tensor, charged: torch.Tensor | None = None) -> torch.Tensor:
         """Time of one round relative to a plain decoding step of the serving loop:
         ``(L t_d + t_v(L) + o(L)) / (1 + o_0)`` with ``o(0) = o_0`` (``plain_overhead``) and ``o(L > 0) = o_r + L o_d``
         (``round_overhead``, ``drafted_token_overhead``); a block drafter's round costs ``t_d`` once. ``L = 0`` is
-        exactly 1, and with no overhead measured this is ``L t_d + t_v(L)``."""
-        forwards = self.drafter_forwards(window_length) * self.drafter_cost + self.verify_time(window_length)
+        exactly 1, and with no overhead measured this is ``L t_d + t_v(L)``. ``charged``: the drafter forwards of each
+        round when fewer than ``L`` (``drafter_forwards``)."""
+        forwards = self.drafter_forwards(window_length, charged) * self.drafter_cost + self.verify_time(window_length)
         drafting = self.round_overhead + window_length.float() * self.drafted_token_overhead
         overhead = torch.where(window_length > 0, drafting, torch.full_like(drafting, self.plain_overhead))
         return (forwards + overhead) / (1.0 + self.plain_overhead)
@@ -122,12 +126,14 @@ def speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_m
     return (expected_accepted.float() + 1.0) / cost_model.round_time(window_length)
 
 
-def overall_speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_model: CostModel) -> torch.Tensor:
-    """Speedup of many rounds together: tokens per unit time, ``sum(E[A]+1) / sum(L t_d + t_v(L))``.
+def overall_speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_model: CostModel,
+                    charged: torch.Tensor | None = None) -> torch.Tensor:
+    """Speedup of many rounds together: tokens per unit time, ``sum(E[A]+1) / sum(L t_d + t_v(L))`` (``charged``:
+    each round's drafter forwards when fewer than ``L``, ``CostModel.round_time``).
 
     This (a ratio of sums) is what a decoding run measures; the mean of per-round ``S`` is not.
     """
-    return (expected_accepted.float() + 1.0).sum() / cost_model.round_time(window_length).sum()
+    return (expected_accepted.float() + 1.0).sum() / cost_model.round_time(window_length, charged).sum()
 
 
 def _interleaved_medians(steps: dict, repeats: int, warmup: int, device: torch.device) -> dict:

@@ -11,10 +11,10 @@ so the window rule (``prod conf_j >= h``, up to ``K``; a looked-up token's confi
 ``(K, h)``, the online guard, and greedy and sampled verification apply unchanged, and decoding stays lossless.
 
 The trained drafter is read lazily: while lookups supply the tokens it does not run, and when it is needed it
-catches up on every token it has not read in one forward (``StandaloneSession.extend``). The cost model charges the
-trained drafter's step for every drafted token (``timed_step``), an upper bound: looked-up tokens cost about nothing
-(the loop's measured host work, ``ppow_trl.runtime.measure_loop_overhead``, gives part of that back where the
-measurement's context had lookups: the loop's time on that context is what the model predicts).
+catches up on every token it has not read in one forward (``StandaloneSession.extend``). The cost model's ``t_d`` is
+the trained drafter's step (``timed_step``); the calibration charges it only for the tokens the model proposed
+(``DraftedWindows.charged``, from the session's ``charged_steps``), so a round of looked-up tokens costs its
+verification and the loop's host work, as prompt lookup's does.
 
 Nothing new is trained: train the inner drafter (``PPOWTrainer``, KD), then wrap it (``hybrid_drafter``). The inner
 drafter is any family that reads no target features (standalone drafters, the main job's reduced-vocabulary one).
@@ -125,15 +125,16 @@ def hybrid_drafter(drafter, target=None, *, max_ngram_size: int = 3, min_ngram_s
     return hybrid.to(next(drafter.parameters()).device).eval()
 
 
-def _choose(lookup_logits: torch.Tensor, model_logits: torch.Tensor) -> torch.Tensor:
+def _choose(lookup_logits: torch.Tensor, model_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row by row, the lookup's logits where it found a token (its row's maximum is ``confidence_logit > 0``; a row
-    without a match is all zeros), the model's elsewhere; both over the model's width."""
+    without a match is all zeros), the model's elsewhere; both over the model's width. Returns ``(logits, matched)``
+    with ``matched`` ``(...,)`` True where the lookup proposed."""
     width = model_logits.shape[-1]
     lookup_logits = lookup_logits[..., :width].to(model_logits.dtype)
     if lookup_logits.shape[-1] < width:
         lookup_logits = torch.nn.functional.pad(lookup_logits, (0, width - lookup_logits.shape[-1]))
     matched = lookup_logits.amax(dim=-1, keepdim=True) > 0
-    return torch.where(matched, lookup_logits.to(model_logits.device), model_logits)
+    return torch.where(matched, lookup_logits.to(model_logits.device), model_logits), matched.squeeze(-1)
 
 
 class HybridSession:
@@ -148,6 +149,14 @@ class HybridSession:
         self.max_window = self.model.max_window
         self.looked_up = 0  # tokens proposed by the lookup (one sequence), for reports
         self.forwards = 0  # proposals made (one per drafted token): what the cost model charges
+        # batches: per proposal step, (B,) 1 where the model proposed (charged t_d), 0 where the lookup did
+        # (``DraftedWindows.charged``: the calibration charges the drafter's step only where it ran)
+        self.charged_steps: list[torch.Tensor] = []
+
+    def _batch(self, lookup_logits: torch.Tensor, model_logits: torch.Tensor) -> torch.Tensor:
+        logits, matched = _choose(lookup_logits, model_logits)
+        self.charged_steps.append(~matched)
+        return logits
 
     # one sequence: the model runs only when the lookup finds nothing ----------------------------------------
     def _next(self) -> torch.Tensor:
@@ -162,11 +171,12 @@ class HybridSession:
 
     def extend(self, sequence: list[int], features=None) -> torch.Tensor:
         self.lookup.sequences = [list(sequence)]
+        self.charged_steps = []
         return self._next()
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        if len(self.lookup.sequences) != 1:  # a batch (rollouts): both step, the rows choose
-            return _choose(self.lookup.step(tokens), self.model.step(tokens))
+        if len(self.lookup.sequences) != 1 or self.charged_steps:  # a batch (rollouts): both step, the rows choose
+            return self._batch(self.lookup.step(tokens), self.model.step(tokens))
         self.lookup.sequences[0].append(int(tokens.view(-1)[0]))
         return self._next()
 
@@ -179,8 +189,9 @@ class HybridSession:
 
     # batches (rollouts, calibration) ---------------------------------------------------------------------------
     def prefill(self, contexts, pad_id: int = 0, num_samples: int = 1, features=None) -> torch.Tensor:
-        return _choose(self.lookup.prefill(contexts, pad_id, num_samples),
-                       self.model.prefill(contexts, pad_id, num_samples))
+        self.charged_steps = []
+        return self._batch(self.lookup.prefill(contexts, pad_id, num_samples),
+                           self.model.prefill(contexts, pad_id, num_samples))
 
     def teacher_forced_logits(self, prompt: list[int], text: list[int], max_window: int, features=None):
         """Slot ``k`` of a window after ``prompt + text[:s]``: the hybrid's choice after ``prompt + text[:s + k]``,
@@ -188,7 +199,7 @@ class HybridSession:
         lookups = self.lookup.teacher_forced_logits(prompt, text, max_window)
         models = self.model.teacher_forced_logits(prompt, text, max_window)
         for (slot, lookup_logits), (_, model_logits) in zip(lookups, models):
-            yield slot, _choose(lookup_logits, model_logits)
+            yield slot, _choose(lookup_logits, model_logits)[0]
 
     def timed_step(self, context: list[int], features=None):
         """The inner drafter's step: every drafted token is charged as if the model drafted it (module docstring)."""
@@ -268,6 +279,9 @@ class HybridFamily(DrafterFamily):
         config = drafter.config
         return (f"hybrid: prompt lookup (n-grams {config.max_ngram_size}..{config.min_ngram_size}), else "
                 f"{family_of(drafter.drafter).describe(drafter.drafter)}")
+
+    def timing_drafter(self, drafter):
+        return drafter.drafter
 
     def with_compiled_models(self, drafter, compile):
         inner = drafter.drafter

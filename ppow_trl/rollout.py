@@ -37,6 +37,9 @@ class DraftedWindows:
     drafter_probs: torch.Tensor
     window_mask: torch.Tensor
     confidences: torch.Tensor
+    charged: torch.Tensor | None = None
+    """(B, K) 1 where the drafter's model ran for the token, 0 where it came free (a hybrid's lookup); ``None``: every
+    token was charged (``DraftingSession.charged_steps``, optional)."""
 
 
 @torch.no_grad()
@@ -88,8 +91,11 @@ def draft_windows(
     window_ids = torch.stack(tokens, dim=1)
     confidences = torch.stack(confidences, dim=1)
     window_mask = lengths_to_mask(policy.window_lengths(confidences), window_ids.shape[1])
+    charged = getattr(session, "charged_steps", None)
+    if charged is not None:
+        charged = torch.stack(charged[: window_ids.shape[1]], dim=1).float().to(confidences.device)
     return DraftedWindows(window_ids=window_ids, drafter_probs=torch.stack(probs, dim=1), window_mask=window_mask,
-                          confidences=confidences)
+                          confidences=confidences, charged=charged)
 
 
 @torch.no_grad()

@@ -68,7 +68,8 @@ class ServingRuntime:
         with torch.no_grad():
             cost_model = calibrate_cost_model(self.target, self.drafter, max_window, **kwargs)
             if loop_overhead:
-                measure_loop_overhead(self.target, self.drafter, cost_model, max_window, vocab_size=vocab_size,
+                drafter = family_of(self.drafter).timing_drafter(self.drafter)
+                measure_loop_overhead(self.target, drafter, cost_model, max_window, vocab_size=vocab_size,
                                       context_ids=kwargs.get("context_ids"), seed=kwargs.get("seed", 0))
         cost_model.runtime = self.name
         cost_model.description += f"; runtime {self.describe()}"

@@ -17,7 +17,7 @@ from .utils import is_peft_model
 from .calibration import calibrate_policy
 from .cost import CostModel
 from .runtime import ServingRuntime
-from .windowing import AdaptiveWindowPolicy
+from .windowing import AdaptiveWindowPolicy, charged_within
 
 DEFAULT_GUARD = {"window": 8, "probe_every": 32}
 """The online guard's settings: pause after 8 drafting rounds under break-even on average, probe every 32 tokens."""
@@ -81,7 +81,8 @@ def calibrate_for_serving(
     alternative = policy.with_window(best["max_window"], best["threshold"])
     if guard is not None:
         lengths = alternative.window_lengths(report["confidences"])
-        alternative.guard = {**guard, "break_even_tokens": float(cost_model.round_time(lengths).mean())}
+        charged = charged_within(report["charged"], lengths)
+        alternative.guard = {**guard, "break_even_tokens": float(cost_model.round_time(lengths, charged).mean())}
     policy.calibration["best_speculative_rule"] = {"max_window": alternative.max_window,
                                                    "threshold": alternative.threshold, "guard": alternative.guard}
     policy.calibration["serving_rule"] = describe_serving_rule(policy, cost_model)

@@ -24,6 +24,7 @@ from .custom_generate.generate import (
     window_confidence,
 )
 from .rewards import divergence
+from .verification import lengths_to_mask
 from .utils import load_json, save_json
 
 WINDOW_POLICY_FILE = "ppow_window_policy.json"
@@ -185,13 +186,24 @@ def expected_accepted_within(prefix_acceptance: torch.Tensor, lengths: torch.Ten
     return (prefix_acceptance * keep).sum(dim=-1)
 
 
+def charged_within(charged: torch.Tensor | None, window_lengths: torch.Tensor) -> torch.Tensor | None:
+    """Drafter forwards of each window cut to ``L_n``: ``sum_{k <= L_n} charged[n, k]`` (``None`` passes through:
+    every drafted token charged)."""
+    if charged is None:
+        return None
+    return (charged.float() * lengths_to_mask(window_lengths, charged.shape[1]).float()).sum(dim=1)
+
+
 def policy_speedup(
-    policy: AdaptiveWindowPolicy, confidences: torch.Tensor, prefix_acceptance: torch.Tensor, cost_model: CostModel
+    policy: AdaptiveWindowPolicy, confidences: torch.Tensor, prefix_acceptance: torch.Tensor, cost_model: CostModel,
+    charged: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cost-model speedup of ``policy`` on rollouts of ``K`` tokens (``K >= policy.max_window``): ``sum_n (E[A_n] + 1)
-    / sum_n (L_n t_d + t_v(L_n))`` with ``E[A_n]`` from ``expected_accepted_within``."""
+    / sum_n (M_n t_d + t_v(L_n))`` with ``E[A_n]`` from ``expected_accepted_within`` and ``M_n = L_n``, or the
+    tokens the drafter's model ran for (``charged`` ``(N, K)``, ``charged_within``)."""
     lengths = policy.window_lengths(confidences)
-    return overall_speedup(expected_accepted_within(prefix_acceptance, lengths), lengths, cost_model)
+    return overall_speedup(expected_accepted_within(prefix_acceptance, lengths), lengths, cost_model,
+                           charged_within(charged, lengths))
 
 
 def search_window_grid(
@@ -202,12 +214,13 @@ def search_window_grid(
     max_windows=None,
     confidence_temperature: float = 1.0,
     allow_no_speculation: bool = False,
+    charged: torch.Tensor | None = None,
 ) -> tuple[AdaptiveWindowPolicy, list[dict]]:
     """The ``(K, h)`` maximising the cost-model speedup on held-out rollouts, and the grid: the search step of the one
     calibration, ``ppow_trl.calibration.calibrate_policy`` (which drafts and verifies those windows and calls it).
 
     ``confidences`` (at ``confidence_temperature``) and ``prefix_acceptance`` are ``(N, K_max)`` from windows
-    of ``K_max`` tokens drafted on held-out contexts (see ``policy_speedup``).
+    of ``K_max`` tokens drafted on held-out contexts (see ``policy_speedup``; ``charged``: its drafter forwards).
     ``allow_no_speculation``: ``K = 0`` (plain decoding, speedup 1 by definition) is a candidate too, and wins
     whenever no ``(K, h)`` is predicted above 1x (it comes first, so a tie keeps plain decoding).
     """
@@ -216,7 +229,7 @@ def search_window_grid(
     for max_window in max_windows:
         for threshold in thresholds:
             policy = AdaptiveWindowPolicy(int(max_window), float(threshold), confidence_temperature)
-            value = policy_speedup(policy, confidences, prefix_acceptance, cost_model).item()
+            value = policy_speedup(policy, confidences, prefix_acceptance, cost_model, charged).item()
             grid.append({"max_window": int(max_window), "threshold": float(threshold), "speedup": value})
     best = max(grid, key=lambda row: row["speedup"])
     return AdaptiveWindowPolicy(best["max_window"], best["threshold"], confidence_temperature), grid

@@ -91,3 +91,37 @@ def test_hf_route_keeps_its_session_across_calls_and_restarts_on_a_new_prompt(mo
         with torch.no_grad():
             plain = target.generate(prompt, **settings)
             assert torch.equal(target.generate(prompt, assistant_model=hybrid, **settings), plain)
+
+
+def test_calibration_charges_the_drafter_only_for_the_tokens_it_proposed(models):
+    """Batched rollouts mark each drafted token as charged (the model proposed it) or free (a lookup), matching the
+    lookup itself position by position; the speedup and the guard's break-even charge t_d only for the former."""
+    from ppow_trl.calibration import calibration_rollouts
+    from ppow_trl.cost import CostModel
+    from ppow_trl.rollout import draft_windows
+    from ppow_trl.windowing import charged_within, policy_speedup
+
+    target, _, hybrid = models
+    # repeated phrases (lookups find tokens) and distinct tokens (nothing to look up at first)
+    contexts = [_repeating_prompt(seed)[0] for seed in range(3)]
+    contexts += [torch.randperm(56, generator=torch.Generator().manual_seed(seed))[:9] + 8 for seed in range(3)]
+    policy = AdaptiveWindowPolicy(3, 0.0)
+    drafted = draft_windows(hybrid, contexts, policy, temperature=0.0, target=target)
+    assert drafted.charged is not None and drafted.charged.shape == drafted.window_ids.shape
+    for row, context in enumerate(contexts):
+        sequence = context.tolist()
+        for slot in range(3):
+            free = lookup_next_token(sequence, 3, 1) is not None
+            assert bool(drafted.charged[row, slot]) == (not free)
+            sequence.append(int(drafted.window_ids[row, slot]))
+    confidences, prefix, charged = calibration_rollouts(target, hybrid, contexts, max_window=3, greedy=True,
+                                                        return_charged=True)
+    assert 0 < charged.sum() < charged.numel()  # both kinds occur on these prompts
+    cost = CostModel(drafter_cost=0.5, verify_cost=[1.0, 1.0, 1.0, 1.0])
+    lengths = policy.window_lengths(confidences)
+    assert torch.equal(charged_within(charged, lengths), charged.sum(1))
+    assert policy_speedup(policy, confidences, prefix, cost, charged) > policy_speedup(policy, confidences, prefix, cost)
+    free = CostModel(drafter_cost=0.0, verify_cost=[1.0, 1.0, 1.0, 1.0])
+    everything_free = torch.zeros_like(charged)
+    assert torch.allclose(policy_speedup(policy, confidences, prefix, cost, everything_free),
+                          policy_speedup(policy, confidences, prefix, free))
