@@ -70,7 +70,7 @@ def calibration_rollouts(
     seed: int = 0,
     samples_per_context: int = 1,
     return_charged: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Windows of ``max_window`` tokens after each context: ``(confidences, P(A >= k | y))``, both ``(N S, K)``, and
     with ``return_charged`` the drafter forwards each token cost (``DraftedWindows.charged``; ``None``: all 1).
 

@@ -208,12 +208,6 @@ class DrafterFamily:
         """Make ``target.generate(..., assistant_model=drafter)`` apply ``policy``; returns the drafter."""
         raise NotImplementedError
 
-    def timing_drafter(self, drafter):
-        """The drafter the serving loop's host work is measured with (``ppow_trl.runtime.measure_loop_overhead``):
-        the drafter itself, or a composite's part whose forwards the cost model charges (a hybrid's model, so that
-        free lookups do not read as negative host time)."""
-        return drafter
-
     def with_compiled_models(self, drafter, compile):
         """The drafter as the compiled runtime serves it: ``compile(model)`` (a ``CompiledCausalLM`` of it) where
         the family ``compiles``, the drafter as it is otherwise (a composite family compiles its parts)."""

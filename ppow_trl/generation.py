@@ -74,6 +74,7 @@ class SpeculativeOutput:
     max_window: int
     finished_by_eos: bool = False
     guard_decisions: list[bool] | None = None  # per round, whether the guard let it draft (None: no guard)
+    free_drafted: int = 0  # drafted tokens whose drafter forward did not run (a hybrid's lookups): not charged t_d
 
     @property
     def window_lengths(self) -> list[int]:
@@ -321,6 +322,7 @@ def speculative_generate(
         target_forwards=target_forwards,
         prefill_forwards=prefill_forwards,
         drafter_forwards=session.forwards,  # one per round for block drafters
+        free_drafted=getattr(session, "looked_up", 0),
         drafted_per_round=drafted,
         accepted_per_round=accepted_counts,
         tokens_per_round=emitted,

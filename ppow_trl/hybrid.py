@@ -280,9 +280,6 @@ class HybridFamily(DrafterFamily):
         return (f"hybrid: prompt lookup (n-grams {config.max_ngram_size}..{config.min_ngram_size}), else "
                 f"{family_of(drafter.drafter).describe(drafter.drafter)}")
 
-    def timing_drafter(self, drafter):
-        return drafter.drafter
-
     def with_compiled_models(self, drafter, compile):
         inner = drafter.drafter
         compiled = family_of(inner).with_compiled_models(inner, compile)

@@ -68,8 +68,7 @@ class ServingRuntime:
         with torch.no_grad():
             cost_model = calibrate_cost_model(self.target, self.drafter, max_window, **kwargs)
             if loop_overhead:
-                drafter = family_of(self.drafter).timing_drafter(self.drafter)
-                measure_loop_overhead(self.target, drafter, cost_model, max_window, vocab_size=vocab_size,
+                measure_loop_overhead(self.target, self.drafter, cost_model, max_window, vocab_size=vocab_size,
                                       context_ids=kwargs.get("context_ids"), seed=kwargs.get("seed", 0))
         cost_model.runtime = self.name
         cost_model.description += f"; runtime {self.describe()}"
@@ -83,7 +82,8 @@ def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: in
 
     ``speculative_generate`` runs plain (``K = 0``) and with fixed windows of ``1`` and ``max_window`` tokens
     (``h = 0``), each for ``n1`` and ``n2`` new tokens (``tokens``), back to back, ``repeats`` times. The forwards'
-    share of a run is what the cost model predicts for its rounds, ``F = t_t sum_rounds (L t_d + t_v(L))``; the rest,
+    share of a run is what the cost model predicts for its rounds, ``F = t_t sum_rounds (M t_d + t_v(L))`` (``M``: the
+    drafted tokens a drafter forward ran for, ``L`` but a hybrid's lookups, ``free_drafted``); the rest,
     ``H = W - F`` with ``W`` the wall time, is host work. The difference ``d`` between the ``n2`` and the ``n1`` runs
     cancels the prefill. Then
 
@@ -126,9 +126,12 @@ def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: in
                                    eos_token_id=[], vocab_size=vocab_size)
         wall = time.perf_counter() - started
         lengths = torch.tensor(out.drafted_per_round)
+        # The forwards' time: t_d only for the drafted tokens a drafter forward ran for (a hybrid's lookups are
+        # free; their host work stays in the host time, as it does when serving).
+        forwards = float(bare.round_time(lengths).sum()) - out.free_drafted * bare.drafter_cost
         # host time, then the rounds that drafted nothing (the last one or two: the window is capped by the tokens
         # left), the drafting rounds and the drafted tokens
-        return torch.tensor([wall - float(bare.round_time(lengths).sum()) * t_t, float((lengths == 0).sum()),
+        return torch.tensor([wall - forwards * t_t, float((lengths == 0).sum()),
                              float((lengths > 0).sum()), float(lengths.sum())], dtype=torch.float64)
 
     deltas = {window: [] for window in windows}  # (n2 run) - (n1 run): the prefill cancels

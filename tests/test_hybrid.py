@@ -64,6 +64,7 @@ def test_lossless_and_the_model_runs_only_where_the_lookup_found_nothing(models,
         drafted = sum(out.drafted_per_round)
         assert session.looked_up > 0  # the repeated phrase was looked up...
         assert session.model.forwards + session.looked_up == session.forwards == drafted  # ...not drafted by the model
+        assert out.free_drafted == session.looked_up  # what the loop-overhead measurement does not charge t_d for
 
 
 def test_refuses_drafters_that_do_not_draft_from_the_text_alone():
