@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import inspect
 import logging
 import os
 import time
@@ -141,9 +140,10 @@ model after the warm-up (a drafter, a second target) failed every guard: a recom
 ``fail_on_recompile``. The entry of the compiled model's own class never changes, so those guards are dropped."""
 
 
-_HAS_GUARD_FILTER = "guard_filter_fn" in inspect.signature(torch._dynamo.optimize).parameters
-"""torch.compile takes ``options={"guard_filter_fn": ...}`` (torch >= 2.8); older versions would pass it to inductor
-as an unknown option."""
+_HAS_GUARD_FILTER = hasattr(torch.compiler, "skip_guard_on_globals_unsafe")
+"""torch.compile takes ``options={"guard_filter_fn": ...}`` (the release that added it also added the public helper
+filters such as ``torch.compiler.skip_guard_on_globals_unsafe``); older versions would pass it to inductor as an
+unknown option. (``torch._dynamo.optimize``'s signature is ``*args, **kwargs``: it cannot tell.)"""
 
 
 def _skip_registry_guards(guard_entries) -> list[bool]:
