@@ -360,6 +360,20 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     return trainer
 
 
+def calibrate_served_rule(trainer, drafter, runtime, calibration_data, training_args):
+    """``(policy, cost_model)`` of ``drafter`` served on ``runtime``: ``calibrate_for_serving`` on the held-out
+    responses with the trainer's regime, temperatures, vocabulary and seed (the one call both served rules make)."""
+    contexts = held_out_contexts(calibration_data["prompt_ids"], calibration_data["response_ids"],
+                                 training_args.calibration_contexts_per_response, training_args.calibration_max_contexts)
+    with torch.no_grad():
+        policy, cost_model, _ = calibrate_for_serving(
+            trainer.target, drafter, contexts, max_window=training_args.max_window,
+            regime=training_args.calibration_regime, temperature=training_args.temperature,
+            confidence_temperature=training_args.confidence_temperature, vocab_size=trainer.vocab_size,
+            pad_id=trainer.processing_class.pad_token_id, seed=training_args.seed, runtime=runtime)
+    return policy, cost_model
+
+
 def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_args):
     """Measure the cost model on ``drafter`` (merged, eval) on the serving runtime (``training_args.runtime``:
     compiled, cached on disk, or eager) and calibrate the served rule on the held-out responses
@@ -374,17 +388,8 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
         serving = serving_runtime(trainer.target, drafter.eval(), runtime=training_args.runtime,
                                   max_window=training_args.max_window)
         logger.info("Serving runtime: %s", serving.describe())
-        contexts = held_out_contexts(calibration_data["prompt_ids"], calibration_data["response_ids"],
-                                     training_args.calibration_contexts_per_response,
-                                     training_args.calibration_max_contexts)
-        with torch.no_grad():
-            policy, cost_model, _ = calibrate_for_serving(
-                trainer.target, drafter, contexts, max_window=training_args.max_window,
-                regime=training_args.calibration_regime, temperature=training_args.temperature,
-                confidence_temperature=training_args.confidence_temperature, vocab_size=trainer.vocab_size,
-                pad_id=trainer.processing_class.pad_token_id, seed=training_args.seed, runtime=serving)
-        result = [policy, cost_model]
-        logger.info("Served rule: %s", policy.calibration["serving_rule"])
+        result = list(calibrate_served_rule(trainer, drafter, serving, calibration_data, training_args))
+        logger.info("Served rule: %s", result[0].calibration["serving_rule"])
     if trainer.accelerator.num_processes > 1:
         broadcast_object_list(result, from_process=0)
     trainer.window_policy, trainer.cost_model = result
@@ -401,14 +406,7 @@ def serve_with_lookup(trainer, drafter, serving, calibration_data, training_args
         logger.info("Not served with prompt lookup: %s", error)
         return None
     served = dataclasses.replace(serving, drafter=hybrid.with_drafter(serving.drafter))
-    contexts = held_out_contexts(calibration_data["prompt_ids"], calibration_data["response_ids"],
-                                 training_args.calibration_contexts_per_response, training_args.calibration_max_contexts)
-    with torch.no_grad():
-        policy, cost_model, _ = calibrate_for_serving(
-            trainer.target, hybrid, contexts, max_window=training_args.max_window,
-            regime=training_args.calibration_regime, temperature=training_args.temperature,
-            confidence_temperature=training_args.confidence_temperature, vocab_size=trainer.vocab_size,
-            pad_id=trainer.processing_class.pad_token_id, seed=training_args.seed, runtime=served)
+    policy, cost_model = calibrate_served_rule(trainer, hybrid, served, calibration_data, training_args)
     logger.info("Served rule with prompt lookup: %s", policy.calibration["serving_rule"])
     return {"drafter": hybrid, "served": served, "policy": policy, "cost_model": cost_model}
 
