@@ -15,6 +15,12 @@ from .drafting import DrafterFamily, family_of, get_family, load_drafter, regist
 # Registers the `ppow_eagle3` model type too (EAGLE-3 heads reading the target's hidden states).
 from .eagle3 import Eagle3DrafterConfig, Eagle3DrafterForCausalLM
 from .generation import exact_greedy_tau, speculative_generate
+# Serving: the served rule, the generate(assistant_model=...) hook, the runtime, the hybrid with prompt lookup.
+from .assisted import load_assistant, save_assistant
+from .calibration import held_out_contexts
+from .hybrid import hybrid_drafter
+from .runtime import serving_runtime
+from .serving import calibrate_for_serving, describe_serving_rule
 # llama.cpp's layout for standalone Llama drafters (CPU serving in llama.cpp; ppow_trl.llama_cpp_draft).
 from .gguf_export import export_gguf
 from .kd_trainer import KDConfig, KDTrainer
@@ -33,6 +39,13 @@ from .verification import (
 from .windowing import AdaptiveWindowPolicy, divergence_scores, window_start_probabilities
 
 __all__ = [
+    "load_assistant",
+    "save_assistant",
+    "held_out_contexts",
+    "hybrid_drafter",
+    "serving_runtime",
+    "calibrate_for_serving",
+    "describe_serving_rule",
     "AdaptiveWindowPolicy",
     "CostModel",
     "DrafterFamily",
