@@ -73,3 +73,12 @@ def test_the_python_examples_run(page, tiny_offline_target, tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, f"{page.name}:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     assert "block(s) ran" in run.stdout
+
+
+def test_every_public_name_is_in_the_api_reference():
+    import ppow_trl
+
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    listed = set(re.findall(r"^::: ppow_trl\.(\w+)\s*$", reference, re.MULTILINE))
+    missing = sorted(set(ppow_trl.__all__) - listed)
+    assert not missing, f"public names missing from docs/reference.md (add a `::: ppow_trl.NAME` line): {missing}"
