@@ -3,7 +3,9 @@
 Notebook 3 uses what notebook 2 saved (`ppow-drafter/`), so the three run in one temporary working directory, as in
 tests/test_notebooks.py, with the same environment (offline, no tokenizer threads, matplotlib inline). Each notebook's
 existing outputs are cleared first; only after all three succeed are they written back (to notebooks/, or
---output-dir), with the note at the top of each (the cell `outputs-note`) naming the machine and the settings.
+--output-dir), with the note under each title (the cell `outputs-note`) naming the machine and the settings, and how
+long the notebook took at fast and at full settings: every run records its seconds in `notebooks/timings.json`
+(per notebook and mode, with the CPU), and the note reads both modes from there, so no timing is typed by hand.
 
     python notebooks/execute.py --fast     # PPOW_NOTEBOOK_FAST=1: the committed outputs (`make notebooks`)
     python notebooks/execute.py            # the notebooks' default (full) settings
@@ -18,6 +20,7 @@ import argparse
 import copy
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import shutil
@@ -41,6 +44,7 @@ ENVIRONMENT = {
     "MPLBACKEND": "module://matplotlib_inline.backend_inline",
 }
 NOTE_ID = "outputs-note"
+TIMINGS = NOTEBOOKS / "timings.json"
 NO_OUTPUTS_NOTE = (
     "> **Outputs.** This copy has no outputs. `make notebooks` runs the three notebooks in order and writes them\n"
     "> back with their outputs (numbers and plots); this note then names the machine, the precision and the\n"
@@ -79,17 +83,45 @@ def error_outputs(notebook) -> list:
             for output in cell.get("outputs", []) if output.get("output_type") == "error"]
 
 
-def outputs_note(fast: bool) -> str:
-    """The note at the top of an executed notebook: where and with which settings its outputs were made."""
+def load_timings(path: Path = TIMINGS) -> dict:
+    """``{notebook: {"fast" | "full": {"seconds", "cpu", "date"}}}`` from earlier runs (empty when none)."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def record_timings(seconds: dict, fast: bool, path: Path = TIMINGS) -> dict:
+    """Merge this run's ``{notebook: seconds}`` under its mode into ``path`` (the other mode's entries stay)."""
+    timings = load_timings(path)
+    mode = "fast" if fast else "full"
+    for name, value in seconds.items():
+        timings.setdefault(name, {})[mode] = {"seconds": round(value), "cpu": cpu_name(),
+                                              "date": datetime.date.today().isoformat()}
+    path.write_text(json.dumps(timings, indent=2, sort_keys=True) + "\n")
+    return timings
+
+
+def timing_sentence(entry: dict) -> str:
+    """How long one notebook took, per mode, as recorded (a mode never run says so)."""
+    parts = []
+    for mode, label in (("fast", "fast settings (`PPOW_NOTEBOOK_FAST=1`)"), ("full", "full (default) settings")):
+        run = entry.get(mode)
+        parts.append(f"about {max(1, round(run['seconds'] / 60))} min at {label} on {run['cpu']}" if run
+                     else f"not yet timed at {label}")
+    return "**Time to run:** " + "; ".join(parts) + " (`notebooks/timings.json`, written by `make notebooks`)."
+
+
+def outputs_note(fast: bool, entry: dict | None = None) -> str:
+    """The note under an executed notebook's title: where and with which settings its outputs were made, and how
+    long it takes in each mode."""
     try:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = "?"
-    settings = ("**fast settings** (`PPOW_NOTEBOOK_FAST=1`: fewer prompts, tokens and steps than the defaults; "
-                "figures quoted in the text come from the default settings)" if fast else "the default (full) settings")
-    return (f"> **Outputs** from `make notebooks` on {datetime.date.today().isoformat()}: {cpu_name()}, "
+    settings = ("**fast settings** (`PPOW_NOTEBOOK_FAST=1`: fewer prompts, tokens and steps than the defaults)"
+                if fast else "the default (full) settings")
+    note = (f"> **Outputs** from `make notebooks` on {datetime.date.today().isoformat()}: {cpu_name()}, "
             f"{os.cpu_count()} CPU cores, {platform.platform()}, python {platform.python_version()}, torch "
             f"{torch_version}; fp32; {settings}. Timings depend on the machine and its load.")
+    return note + ("\n>\n> " + timing_sentence(entry) if entry is not None else "")
 
 
 def set_note(notebook, text: str) -> None:
@@ -122,11 +154,9 @@ def main(argv=None) -> int:
     os.environ["PPOW_NOTEBOOK_FAST"] = "1" if args.fast else "0"
     workdir = Path(tempfile.mkdtemp(prefix="ppow_notebooks_"))
     os.chdir(workdir)  # jupyter_client also reads the launching process's working directory
-    note = outputs_note(args.fast)
     timings = {}
     for name, notebook in notebooks.items():
         print(f"[notebooks] {name} ({'fast' if args.fast else 'full'} settings) in {workdir} ...", flush=True)
-        set_note(notebook, note)
         try:
             timings[name] = execute_notebook(notebook, workdir, args.timeout)
         except CellExecutionError as error:
@@ -135,6 +165,9 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 1
         print(f"[notebooks] {name}: {timings[name]:.0f}s", flush=True)
+    recorded = record_timings(timings, args.fast)
+    for name, notebook in notebooks.items():
+        set_note(notebook, outputs_note(args.fast, recorded.get(name, {})))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     for name, notebook in notebooks.items():
         nbformat.write(notebook, args.output_dir / name)

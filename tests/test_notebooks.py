@@ -69,3 +69,17 @@ def test_notebooks_run_in_fast_mode(tmp_path, monkeypatch):
     assert (tmp_path / "my-assistant" / "ppow_window_policy.json").is_file()
     assert (tmp_path / "bench" / "notebook.md").is_file() and (tmp_path / "bench" / "notebook.png").is_file()
     print({name: round(seconds, 1) for name, seconds in timings.items()})
+
+
+def test_timings_are_recorded_per_mode_and_read_into_the_note(tmp_path):
+    """A fast run keeps the full run's timing (and vice versa), and the note states both modes from the file."""
+    execute = _execute_module()
+    path = tmp_path / "timings.json"
+    execute.record_timings({"a.ipynb": 610.0}, fast=False, path=path)
+    recorded = execute.record_timings({"a.ipynb": 95.0, "b.ipynb": 20.0}, fast=True, path=path)
+    assert recorded["a.ipynb"]["full"]["seconds"] == 610 and recorded["a.ipynb"]["fast"]["seconds"] == 95
+    assert execute.load_timings(path) == recorded
+    sentence = execute.timing_sentence(recorded["a.ipynb"])
+    assert "about 2 min at fast settings" in sentence and "about 10 min at full (default) settings" in sentence
+    assert "not yet timed at full" in execute.timing_sentence(recorded["b.ipynb"])
+    assert execute.timing_sentence(recorded["a.ipynb"]) in execute.outputs_note(True, recorded["a.ipynb"])
