@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= requirements/cpu-py311.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup interop llama-cpp demo test test-fast test-random notebooks lock deps-latest
+.PHONY: setup interop llama-cpp demo test test-fast test-random notebooks lock deps-latest numbers
 
 setup:
 	$(if $(TORCH_SPEC),$(PIP) install -q $(PIN) "$(TORCH_SPEC)")
@@ -41,6 +41,11 @@ demo: setup
 
 test: setup
 	$(PYTHON) -m pytest -q -n 2
+
+# docs/benchmarks.md and the README's results table, generated from benchmarks/results/*.json (every figure; no
+# hand-typed numbers). `python tools/render_numbers.py --check` (tests/test_generated_docs.py) fails when they are stale.
+numbers:
+	$(PYTHON) tools/render_numbers.py
 
 test-fast:
 	$(PYTHON) -m pytest -q -n 2 -m "not slow"

@@ -95,7 +95,7 @@ def summarize(report: dict) -> list[dict]:
 
 
 def markdown(results: dict) -> str:
-    """One table per (drafter, prompt set): the rows of the JSON, for BENCHMARKS.md."""
+    """One table per (drafter, prompt set): the rows of the JSON, for docs/benchmarks.md."""
     lines = []
     for key, run in results["runs"].items():
         costs = run["cost_model"]

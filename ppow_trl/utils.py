@@ -57,7 +57,7 @@ def set_cpu_threads(num_threads: int | None = None) -> int:
 
     Default: `$PPOW_TRL_NUM_THREADS`, else 1. On the 2-core development machines two threads
     were erratic under load (tiny forwards 100-260 ms instead of 3-5 ms) and one thread was stable,
-    see BENCHMARKS.md "Thread setting". GPU users are unaffected.
+    see docs/benchmarks.md "Thread setting". GPU users are unaffected.
     """
     torch.set_num_threads(default_cpu_threads() if num_threads is None else num_threads)
     return torch.get_num_threads()

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-# One thread: two were erratic on the 2-core CI machines (see BENCHMARKS.md "Thread setting").
+# One thread: two were erratic on the 2-core CI machines (see docs/benchmarks.md "Thread setting").
 torch.set_num_threads(int(os.environ.get("PPOW_TRL_NUM_THREADS", "1")))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -277,7 +277,7 @@ def test_smollm2_drafter_in_llama_cpp_next_to_the_shipped_q4_1_target(tmp_path):
         assert np.abs(theirs - ours).max() < 1e-3 * np.abs(ours).max()
         assert _llama_greedy(drafter_llama, ids, 12) == _hf_greedy(drafter, ids, 12)
     # The fp32 target exported the same way decodes in llama.cpp as in transformers, and speculative decoding with
-    # the drafter gives its text (the shipped Q4_1 target is not batch-invariant in llama.cpp: see BENCHMARKS.md).
+    # the drafter gives its text (the shipped Q4_1 target is not batch-invariant in llama.cpp: see docs/benchmarks.md).
     target_file = export_gguf(target, tmp_path / "target.gguf", smollm2_gguf_path())
     plain = _f32(target_file)
     speculative = _f32(target_file, draft_model=LlamaCppDrafter(drafter_file, max_window=3, target=plain,

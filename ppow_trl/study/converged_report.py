@@ -1,4 +1,7 @@
-"""The converged study's report: ``summary.json``, the tau-curve plot and the generated BENCHMARKS.md section.
+"""The converged study's report: ``summary.json``, the tau-curve plot and the generated section of docs/benchmarks.md.
+
+``section`` builds the section from the summary and the result files; ``tools/render_numbers.py`` (which regenerates
+the whole page) calls it too, so both give the same text.
 
 E[A] is pooled over seeds: each prompt's accepted tokens and rounds are summed over the seeds' records, so a ratio of
 sums over prompts remains, with a percentile bootstrap over prompts (2000 resamples). The ratio to KD continued is
@@ -152,31 +155,182 @@ def plot_curves(results: Path, out: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: Path, benchmarks_md: Path) -> dict:
+# The reading of the tables, without figures: every number on the page is generated from the JSON. The notes written
+# when the runs finished (with the figures of that day, typed by hand) stay in ``<results>/reading.md``.
+READING = """### What the converged study shows
+
+- **KD has converged.** Continuing KD from the converged point (`kd_more`) barely moved greedy E[A] and did not
+  raise T = 1 E[A]: this is the regime the question is about, a drafter that imitation no longer improves.
+- **PPOW with T = 1 rewards (`ppow_t1`) is the best PPOW arm** for the truncated drafter: above KD continued in every
+  cell of its tables, with intervals above 1 at T = 1 on both test sets and at or near 1 greedy. Its seeds agree
+  closely (per-seed values in the cells).
+- **Against on-policy distillation** (`on_policy`): about even greedy, PPOW clearly better at T = 1. On-policy
+  distillation is the best greedy arm and the worst T = 1 arm: its forward KL + TV on the drafter's own windows
+  sharpens the argmax and lowers T = 1 acceptance below KD continued on ShareGPT; PPOW's reward is the serving
+  quantity, so it improves both modes.
+- **Cached greedy rewards** (`ppow_cache`; their throughput in "Cache rewards") bought several times the optimizer
+  steps of the T = 1 arm (steps column) and did not turn them into more acceptance: the greedy reward is 0/1 per
+  position and most windows of a converged small drafter earn A = 0 or 1, so the group advantage is sparse, while
+  E[A|y] is a smooth function of the same window. The dense per-position credit (`ppow_dense`) did not change that.
+- **EAGLE-3 head**: only KD continued and PPOW with cached rewards were run; they tie. PPOW got few optimizer steps in
+  its budget because the head needs the target's hidden states for every rollout context and selection refresh (one
+  target forward each); serving the features from the cache too is the change most likely to let PPOW refine it.
+
+What limits the answer: wall-clock budgets on a shared machine (the same seconds gave different seeds different step
+counts: steps column); the seeds listed above are the minimum asked for, not a precise spread; the greedy gains are
+small in absolute terms for a small truncated drafter of a much deeper target, far from the paper's regime, so these
+are relative figures about training signals, not a speedup claim (every predicted speedup stays below 1x on this
+CPU; the cost models here were measured while other runs shared the machine: use "Cost model" for speed); the
+converged EAGLE-3 head was capped, not early-stopped (the converged points table).
+
+Adopted: the long recipe (`recipes/configs/offline_smollm2_long.yaml`) refines its converged KD drafter with T = 1
+rewards; the main job keeps cached greedy rewards (greedy serving and a budget of minutes, where T = 1 rewards cost
+several times more per step for little gain).
+
+The notes written when the runs finished, with the figures of that day, are kept in
+`benchmarks/results/study_converged/reading.md` (not generated: the tables above are the reference)."""
+
+
+def _curve_tau(row: dict | None) -> str:
+    return "-" if row is None else f"{row['held_out_tau_fixed_k']:.3f}"
+
+
+def _converged_points(results: Path) -> list[str]:
+    """Per family: where KD stopped (early stopping on held-out tau, or the step cap) and the curve's best point."""
+    data = load_results(results)
+    lines = ["**Converged points** (KD with early stopping on held-out exact greedy tau at fixed K; the best checkpoint "
+             "is the start of every arm)", "",
+             "| family | optimizer steps | step cap | stopped early | best step | held-out tau at the best step | "
+             "held-out tau at the last step | trained positions |", "|---|---|---|---|---|---|---|---|"]
+    rows = 0
+    for family, parts in data.items():
+        converged = parts.get("converged")
+        if not converged:
+            continue
+        budget, curve = converged["budget"], converged.get("curve") or []
+        best = next((row for row in curve if row.get("step") == budget.get("best_step")), None)
+        last = curve[-1] if curve else None
+        stopped = budget.get("stopped_early")
+        stopped = "-" if stopped is None else ("yes" if stopped else "no (step cap)")
+        positions = f"{budget['trained_positions']:,}" if "trained_positions" in budget else "-"
+        lines.append(f"| {family} | {budget.get('optimizer_steps', '-')} | {budget.get('max_steps', '-')} | {stopped} | "
+                     f"{budget.get('best_step', '-')} | {_curve_tau(best)} | {_curve_tau(last)} | {positions} |")
+        rows += 1
+    return lines + [""] if rows else []
+
+
+_PROMPT_SETS = {"mtbench": "MT-bench", "code": "code"}
+
+
+def _wallclock(wallclock: dict | None) -> list[str]:
+    if not wallclock:
+        return []
+    settings = wallclock.get("settings", {})
+    lines = ["**Measured speed of the best arm of each family** (`ppow_trl.bench`, "
+             f"{settings.get('num_prompts', '-')} {_PROMPT_SETS.get(settings.get('prompts'), settings.get('prompts', ''))} "
+             "prompts, "
+             f"{settings.get('max_new_tokens', '-')} new tokens, {settings.get('precision', '')}, "
+             f"{settings.get('threads', '-')} torch thread(s), greedy, interleaved prompt by prompt; speedup = median "
+             "over prompts of the tokens/s ratio to the target)", "",
+             f"Command: `{settings.get('command', 'not recorded')}`", "",
+             "| method | drafter | tau | speedup median [p25, p75] | lossless |", "|---|---|---|---|---|"]
+    for row in wallclock.get("summary", []):
+        lines.append(f"| {row['method']} | {row.get('drafter') or '-'} | {row['tau']:.2f} | "
+                     f"{row['speedup_median']:.2f} [{row['speedup_p25']:.2f}, {row['speedup_p75']:.2f}] | "
+                     f"{row['lossless_prompts']} |")
+    rules = [(d["name"], d["served_rule"]) for d in wallclock.get("drafters", []) if d.get("served_rule")]
+    if rules:
+        lines += ["", *[f"- {name}: {rule}" for name, rule in rules]]
+    return lines + [""]
+
+
+def _setup(results: Path) -> list[str]:
+    data = load_results(results)
+    first = next((result for parts in data.values() for by_seed in parts["arms"].values()
+                  for result in by_seed.values()), None)
+    if first is None:
+        return []
+    config = first.get("converged_config") or {}
+    machine = first.get("machine") or {}
+    arms = {}
+    for parts in data.values():
+        for arm, by_seed in parts["arms"].items():
+            arms.setdefault(arm, next(iter(by_seed.values())).get("description", ""))
+    items = [machine.get("platform") or "platform not recorded"]
+    if machine.get("cpu_count") is not None:
+        items.append(f"{machine['cpu_count']} CPU cores (CPU model not recorded)")
+    items.append(str(machine.get("precision", "precision not recorded")))
+    if machine.get("threads") is not None:
+        items.append(f"{machine['threads']} torch thread(s) per run")
+    items += [f"{k} {machine[k]}" for k in ("torch", "transformers", "trl", "peft") if k in machine]
+    lines = [f"Machine: {', '.join(items)}; runs side by side (`--jobs`).", ""]
+    if config:
+        lines += [f"Setup: each arm trains for {config.get('extra_seconds', '-'):.0f} s of optimizer-step time from its "
+                  f"family's converged drafter, under seeds {', '.join(str(s) for s in config.get('seeds', []))}; "
+                  f"the converging KD evaluates held-out tau every {config.get('eval_steps', '-')} steps and stops "
+                  f"after {config.get('patience', '-')} evaluations without a new best (step caps: "
+                  + ", ".join(f"{family} {cap}" for family, cap in config.get("max_kd_steps", [])) + "). E[A] is pooled "
+                  "over seeds with a 95% bootstrap interval over prompts; ratios are paired with KD continued "
+                  "(`kd_more`) on the same seeds; T = 1 values average several sampled windows per prompt.", ""]
+    lines += ["| arm | what it trains |", "|---|---|", *[f"| {arm} | {what} |" for arm, what in arms.items()], ""]
+    return lines
+
+
+def section(results: Path, summary: dict, reading: str | None = None,
+            results_label: str = "benchmarks/results/study_converged") -> str:
+    """The converged study's part of the benchmarks page, between ``SECTION_START`` and ``SECTION_END``."""
+    results = Path(results)
+    wallclock_path = results / "wallclock.json"
+    wallclock = json.loads(wallclock_path.read_text()) if wallclock_path.is_file() else None
+    plots = [(f"{results_label}/{name}", what) for name, what in (
+        ("tau_after_convergence.png", "held-out tau after convergence"), ("wallclock.png", "measured speed"))
+             if wallclock or name != "wallclock.png"]
+    return "\n".join([
+        SECTION_START,
+        "## The converged study",
+        "",
+        "KD to convergence, then PPOW and its rivals refine the converged drafter at equal extra budget "
+        "(`benchmarks/study_converged.py`): does window-level RL improve a drafter that imitation can no longer "
+        "improve? Evaluated as the study evaluates (exact greedy tau at fixed K and at the calibrated rule, T = 1 "
+        "closed-form E[A|y]).",
+        "",
+        f"Generated from `{results_label}/` (`converged_*.json`, `arms/`, `summary.json`, `wallclock.json`) by "
+        "`python tools/render_numbers.py`; `python benchmarks/study_converged.py --report-only` rewrites "
+        "`summary.json`, the plot and this section. Do not edit by hand.",
+        "",
+        "Command: `python benchmarks/study_converged.py` (every stage; reruns skip finished runs).",
+        "",
+        *_setup(results),
+        *_converged_points(results),
+        tables(summary),
+        *_wallclock(wallclock),
+        "Plots (in the repository, not rendered here): " + "; ".join(f"`{p}` ({w})" for p, w in plots) + ".",
+        "",
+        READING if reading is None else reading,
+        SECTION_END,
+    ])
+
+
+def write_report(results: Path, benchmarks_md: Path = Path("docs/benchmarks.md"), reading: str | None = None) -> dict:
     results = Path(results)
     summary = summarize(results)
     (results / "summary.json").write_text(json.dumps(summary, indent=1))
     if not summary["families"]:
         return summary
     plot_curves(results, results / "tau_after_convergence.png")
-    reading = results / "reading.md"
-    section = "\n".join([
-        SECTION_START,
-        "## The converged study (generated by `python benchmarks/study_converged.py --report-only`)",
-        "",
-        tables(summary),
-        f"![held-out tau after convergence]({results / 'tau_after_convergence.png'})",
-        "",
-        reading.read_text() if reading.is_file() else "",
-        SECTION_END,
-    ])
+    try:
+        label = results.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        label = results.as_posix()
+    text_of_section = section(results, summary, reading, label)
     path = Path(benchmarks_md)
     text = path.read_text() if path.is_file() else ""
     if SECTION_START in text:
         head, rest = text.split(SECTION_START, 1)
         tail = rest.split(SECTION_END, 1)[1] if SECTION_END in rest else ""
-        text = head + section + tail
+        text = head + text_of_section + tail
     else:
-        text = text.rstrip() + "\n\n" + section + "\n"
+        text = text.rstrip() + "\n\n" + text_of_section + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return summary

@@ -1,8 +1,10 @@
 """The study's write-up: tables and plots generated from ``benchmarks/results/study/arms/*.json``.
 
 ``write_report(results)`` writes ``<results>/summary.json`` (every figure of the tables), three plots, and
-replaces the part of ``BENCHMARKS.md`` between ``<!-- study:begin -->`` and ``<!-- study:end -->``, so the
-section is never edited by hand. Intervals are 95% percentile bootstraps over prompts (``evaluate``).
+replaces the part of ``docs/benchmarks.md`` between ``<!-- study:begin -->`` and ``<!-- study:end -->``, so the
+section is never edited by hand. ``section`` builds that part from the summary; ``tools/render_numbers.py`` (which
+regenerates the whole page) calls it too, so both give the same text. Intervals are 95% percentile bootstraps over
+prompts (``evaluate``).
 """
 
 from __future__ import annotations
@@ -104,11 +106,15 @@ def _budget(budget: dict, warm: dict | None = None) -> str:
     return ", ".join(i for i in items if i)
 
 
-def format_tables(summary: dict, wallclock: dict | None) -> str:
+def format_tables(summary: dict, wallclock: dict | None, config: dict | None = None) -> str:
+    """The study's tables from ``summary`` (``summarize_arms``) and the wall-clock benchmark's JSON; ``config``
+    (an arm's ``config``) supplies the evaluation's settings stated in the titles."""
     lines = []
+    new_tokens = ((config or {}).get("data") or {}).get("eval_max_new_tokens")
+    tokens = f", {new_tokens} new tokens" if new_tokens else ""
     for test, title in TEST_SETS.items():
         prompts = next((row["greedy"][test]["policy"]["prompts"] for row in summary.values() if test in row["greedy"]), 0)
-        lines += [f"**{prompts} {title}, greedy, 128 new tokens, exact tau** (E[A] = accepted drafted tokens per round; "
+        lines += [f"**{prompts} {title}, greedy{tokens}, exact tau** (E[A] = accepted drafted tokens per round; "
                   "tau = E[A] + 1 per round, EOS rounds included; ratios paired over prompts)", "",
                   "| arm | policy (K, h) | tau at policy [95% CI] | E[A] at policy | E[A] / KD at policy | "
                   "E[A] at fixed K=4 | E[A] / KD at K=4 |", "|---|---|---|---|---|---|---|"]
@@ -161,8 +167,9 @@ def format_tables(summary: dict, wallclock: dict | None) -> str:
                          f"{'-' if predicted is None else f'{predicted:.2f}x'} |")
         lines.append("")
     if wallclock:
-        lines += ["**Wall-clock** (`ppow_trl.bench`, 8 MT-bench prompts, 64 new tokens, greedy, interleaved "
-                  "prompt by prompt, 1 thread; speedup = median over prompts of tokens/s ratio to the target)", "",
+        settings = wallclock.get("settings", {})
+        lines += ["**Wall-clock** (`ppow_trl.bench`, " + _bench_settings(settings) + ", greedy, interleaved prompt by "
+                  "prompt; speedup = median over prompts of tokens/s ratio to the target)", "",
                   "| method | drafter | tau | speedup median [p25, p75] | lossless |", "|---|---|---|---|---|"]
         for row in wallclock["summary"]:
             lines.append(f"| {row['method']} | {row.get('drafter') or '-'} | {row['tau']:.2f} | "
@@ -170,6 +177,24 @@ def format_tables(summary: dict, wallclock: dict | None) -> str:
                          f"{row['lossless_prompts']} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _bench_settings(settings: dict) -> str:
+    """``ppow_trl.bench``'s recorded settings as words: prompts, new tokens, precision, threads."""
+    items = []
+    if settings.get("num_prompts") is not None:
+        items.append(f"{settings['num_prompts']} {_PROMPT_SETS.get(settings.get('prompts'), settings.get('prompts') or '')}"
+                     " prompts".replace("  ", " "))
+    if settings.get("max_new_tokens") is not None:
+        items.append(f"{settings['max_new_tokens']} new tokens")
+    if settings.get("precision"):
+        items.append(str(settings["precision"]))
+    if settings.get("threads") is not None:
+        items.append(f"{settings['threads']} torch thread{'s' if settings['threads'] != 1 else ''}")
+    return ", ".join(items)
+
+
+_PROMPT_SETS = {"mtbench": "MT-bench", "code": "code"}
 
 
 def plot_curves(arms: dict, path: Path) -> Path | None:
@@ -225,8 +250,123 @@ def plot_acceptance(summary: dict, path: Path, arms=("kd_warm", "kd", "kd_tv", "
     return path
 
 
-def write_report(results: Path, benchmarks_md: Path = Path("BENCHMARKS.md"), reading: str | None = None) -> dict:
-    """Summaries, plots and the BENCHMARKS.md section from the arms' JSON; returns the summary."""
+# The reading of the tables, without figures: every number on the page is generated from the JSON. The notes written
+# when the arms ran (with the figures of that day, typed by hand) stay in ``<results>/reading.md``, outside the docs.
+READING = """### What the study shows
+
+**At equal wall-clock budget on this machine, token-level distillation beat every PPOW variant.** On both test sets
+KD (forward KL) has the highest E[A]; PPOW is also below the direct-acceptance baseline (KD-TV); at fixed K, where the
+window rule plays no part, the order is KD, then KD-TV, then every PPOW arm, then the KD warm start. The T = 1 table
+has wide intervals (one window per prompt) and the same order.
+
+- **KD spent the second half of the budget better than PPOW did.** Every PPOW arm continues the KD warm start; the
+  full method (T = 1 expected-acceptance rewards) lowered greedy acceptance below its warm start, and the variants
+  that did not lower it gained little over it.
+- **Budget in signal, not seconds.** In the same seconds a KD arm trains on many more response positions, each with
+  the target's full top-k distribution, than a PPOW arm trains drafted window tokens (the training-budget column),
+  each costing target forwards (see "Trainer throughput") and rewarded by one noisy scalar per window.
+- **The objective matters.** Rewarding greedy verification (`ppow_greedy`) did better than the default T = 1
+  reward on the greedy measure.
+- **Ablations** start from the same warm start with the same budget; their intervals overlap, and the seed-to-seed
+  spread of PPOW was not measured (the `ppow_seed1` arm is defined but was not run), so none is separated from the
+  others with certainty. Every ablation scored above the full method, which suggests an unlucky run or pieces that
+  interfere at this scale.
+- **The calibrated window rule** trades tau for drafting cost (policy columns against fixed-K columns); its
+  predicted speedup is what it maximises, and with the acceptance reached here every trained drafter is predicted
+  slower than the target alone on this CPU (the wall-clock table agrees).
+- **EAGLE-3 heads** (`eagle3_*`): at this budget below the truncated drafter on acceptance, cheaper per drafted
+  token, still learning when the budget ran out (steeper held-out curve); a higher learning rate did not help and
+  PPOW did not move the head from its warm start. Steps and data, not the family, limit it here.
+- **DFlash block drafters** (`dflash_*`): the weakest family at this budget on acceptance and on cost: one round
+  applies the target's full output head to every slot of the block, which costs more than the per-token families'
+  whole windows on this CPU (see "DFlash block"); PPOW on it is not conclusively better than its warm start.
+- **Prompt lookup** (`prompt_lookup`, no training) has the best acceptance of the study and a negligible drafting
+  cost; its calibrated prediction did not transfer to measured speed on MT-bench (see "Methods on SmolLM2").
+
+What would change the answer: a budget in which KD has converged (the converged study below), a GPU (where the
+target's verification of a window is nearly free), a stronger drafter with longer accepted windows, the served
+regime in the reward, and more seeds.
+
+The notes written when the arms ran, with the figures of that day, are kept in `benchmarks/results/study/reading.md`
+(not generated: the tables above are the reference)."""
+
+
+def _display(path: Path) -> str:
+    """``path`` relative to the working directory when it lies under it (the repository's paths on the page)."""
+    path = Path(path)
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _machine(machine: dict) -> str:
+    items = [machine.get("platform") or "platform not recorded"]
+    if machine.get("cpu_count") is not None:
+        items.append(f"{machine['cpu_count']} CPU cores (CPU model not recorded)")
+    items.append(str(machine.get("precision", "precision not recorded")))
+    if machine.get("threads") is not None:
+        items.append(f"{machine['threads']} torch thread{'s' if machine['threads'] != 1 else ''} per arm")
+    items += [f"{k} {machine[k]}" for k in ("torch", "transformers", "trl", "peft") if k in machine]
+    return ", ".join(items)
+
+
+def section(arms: dict[str, dict], summary: dict, wallclock: dict | None, reading: str | None = None,
+            results_label: str = "benchmarks/results/study") -> str:
+    """The study's part of the benchmarks page, between ``BEGIN`` and ``END``, from the arms' JSON (``load_arms``),
+    their summary and the wall-clock benchmark's JSON."""
+    first = next(iter(arms.values()))
+    config, machine = first["config"], first["machine"]
+    data = config["data"]
+    plots = [(f"{results_label}/{name}", what) for name, what in (
+        ("tau_over_training.png", "held-out tau over training"),
+        ("acceptance.png", "acceptance histograms and per-position acceptance"),
+        ("wallclock.png", "the wall-clock benchmark")) if wallclock or name != "wallclock.png"]
+    lines = [
+        BEGIN,
+        "## The study",
+        "",
+        "PPOW against token-level distillation at equal training budget, with ablations and the other drafter "
+        "families (`benchmarks/study.py`). Every arm trains the same drafter initialisation of its family on the same "
+        "target-regenerated data for the same optimizer-step time, then is evaluated the same way: exact greedy tau on "
+        "MT-bench first turns and held-out ShareGPT prompts at the arm's calibrated window rule and at fixed K, T = 1 "
+        "closed-form E[A|y] on MT-bench, and the cost model measured on this CPU.",
+        "",
+        f"Generated from `{results_label}/` (the arms' JSON in `arms/`, `summary.json`, `wallclock.json`) by "
+        "`python tools/render_numbers.py`; `python benchmarks/study.py --report-only` rewrites `summary.json`, the "
+        "plots and this section from the arms. Do not edit by hand.",
+        "",
+        "Command (the whole study, resumable): `python benchmarks/study.py`; one arm: "
+        "`python -m ppow_trl.study --run-arm <arm>`.",
+        "",
+        f"Machine: {_machine(machine)}; arms ran side by side (`--jobs`).",
+        "",
+        f"Setup: target SmolLM2-135M-Instruct; drafter: the target's first {config['drafter_layers']} layers with a "
+        f"{config['draft_vocab_size']}-token head (the `eagle3_*` and `dflash_*` arms train those families instead, with "
+        f"their own warm starts); data: the target's greedy responses (<= {data['train_max_new_tokens']} tokens) to "
+        f"{data['num_train_prompts']} ShareGPT train prompts (those under 512 prompt tokens)"
+        + (f", its top-{data['top_k']}" if "top_k" in data else "") + ", "
+        f"the last {data['num_calibration']} held out for calibration and the curve; budget "
+        f"{config['budget_seconds']:.0f} s of optimizer-step time per arm (PPOW arms: KD for "
+        f"{config['warm_seconds']:.0f} s, then PPOW). Arms and their settings: `ppow_trl/study/arms.py`, "
+        "`ppow_trl/study/runner.py`.",
+        "",
+        "| arm | what it trains |",
+        "|---|---|",
+        *[f"| {name} | {arm['description']} |" for name, arm in arms.items()],
+        "",
+        format_tables(summary, wallclock, config),
+        "Plots (in the repository, not rendered here): "
+        + "; ".join(f"`{path}` ({what})" for path, what in plots) + ".",
+        "",
+        READING if reading is None else reading,
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def write_report(results: Path, benchmarks_md: Path = Path("docs/benchmarks.md"), reading: str | None = None) -> dict:
+    """Summaries, plots and the benchmarks page's study section from the arms' JSON; returns the summary."""
     results = Path(results)
     arms = load_arms(results)
     if not arms:
@@ -237,45 +377,13 @@ def write_report(results: Path, benchmarks_md: Path = Path("BENCHMARKS.md"), rea
     (results / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_curves(arms, results / "tau_over_training.png")
     plot_acceptance(summary, results / "acceptance.png")
-    reading_path = results / "reading.md"
-    reading = reading if reading is not None else (reading_path.read_text() if reading_path.is_file() else "")
-    config = next(iter(arms.values()))["config"]
-    machine = next(iter(arms.values()))["machine"]
-    section = "\n".join([
-        BEGIN,
-        "## The study: PPOW vs token-level distillation at equal budget (`benchmarks/study.py`)",
-        "",
-        "Generated by `python benchmarks/study.py --report-only` from `benchmarks/results/study/` (do not edit by "
-        "hand). Command of the whole study: `python benchmarks/study.py` (resumable). "
-        f"Target SmolLM2-135M-Instruct, fp32, {machine['threads']} torch thread per arm, 2 arms at once, "
-        f"{machine['platform']}, " + ", ".join(f"{k} {machine[k]}" for k in ("torch", "transformers", "trl", "peft")
-                                      if k in machine) + f". Drafter: the target's first {config['drafter_layers']} "
-        f"layers with a {config['draft_vocab_size']}-token head; every arm from the same initialisation, on the "
-        f"same target-regenerated responses to {config['data']['num_train_prompts']} ShareGPT train prompts (those "
-        f"under 512 prompt tokens; greedy, <= {config['data']['train_max_new_tokens']} tokens; the last {config['data']['num_calibration']} held out "
-        f"for calibration and the curve), budget {config['budget_seconds']:.0f} s of optimizer-step time per arm "
-        f"(PPOW arms: KD for {config['warm_seconds']:.0f} s, then PPOW). The `eagle3_*` arms train an EAGLE-3 head "
-        "instead (`ppow_trl.eagle3`: one fused layer reading the target's hidden states 2/15/27, the same "
-        f"{config['draft_vocab_size']}-token head ids, KD with 3-step training-time test on cached target features), "
-        "with their own warm start. The `dflash_*` arms train a DFlash block drafter (`ppow_trl.dflash`: "
-        "transformers' `MuseGlimmerAssistantModel`, 2 layers, blocks of 8, reading the same hidden states from the "
-        "same cached features through the target's own embedding and head; KD on 32 anchored blocks per sequence, "
-        "slot weights exp(-(k-1)/4)), with their own warm start. Arms and their settings: "
-        "`ppow_trl/study/arms.py`, `ppow_trl/study/runner.py`.",
-        "",
-        format_tables(summary, wallclock),
-        "![held-out tau over training](benchmarks/results/study/tau_over_training.png)",
-        "",
-        "![acceptance histograms and per-position acceptance](benchmarks/results/study/acceptance.png)",
-        "",
-        reading,
-        END,
-    ])
+    text_of_section = section(arms, summary, wallclock, reading, _display(results))
     if benchmarks_md is not None:
         text = Path(benchmarks_md).read_text() if Path(benchmarks_md).is_file() else "# Benchmarks\n"
         if BEGIN in text and END in text:
-            text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+            text = text[: text.index(BEGIN)] + text_of_section + text[text.index(END) + len(END):]
         else:
-            text = text.rstrip("\n") + "\n\n" + section + "\n"
+            text = text.rstrip("\n") + "\n\n" + text_of_section + "\n"
+        Path(benchmarks_md).parent.mkdir(parents=True, exist_ok=True)
         Path(benchmarks_md).write_text(text)
     return summary
