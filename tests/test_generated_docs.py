@@ -105,3 +105,9 @@ def test_a_missing_or_broken_marker_is_a_clear_error(render_numbers, tmp_path, r
     with pytest.raises(render_numbers.MarkerError, match=r"README\.md: .*results:(begin|end)"):
         render_numbers.render_all(tmp_path)
     assert (tmp_path / "README.md").read_text() == readme  # nothing written
+
+
+def test_local_folders_of_the_machine_a_run_used_are_not_printed(render_numbers):
+    text = "--drafter /work/drafter_prev_run/merged and /tmp/pytest-1/x and benchmarks/results/a.json"
+    assert render_numbers.without_local_paths(text) == \
+        "--drafter <local folder>/merged and <local folder>/x and benchmarks/results/a.json"

@@ -1208,8 +1208,18 @@ def render_benchmarks(results: Path) -> str:
             out += [f"{'#' * level} {heading}", "", *lines]
     text = "\n".join(out)
     text = re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"
+    text = without_local_paths(text)
     _check_headings(text)
     return text
+
+
+LOCAL_FOLDER = re.compile(r"(?<![\w.])/(?:work|tmp|root|home/[\w.-]+)/[\w.+-]+")
+
+
+def without_local_paths(text: str) -> str:
+    """The JSON files record the folders a run used on its machine (``/work/cloneA/...``); the page names the part
+    a reader can reproduce: ``<local folder>/outputs/...``."""
+    return LOCAL_FOLDER.sub("<local folder>", text)
 
 
 def _check_headings(text: str) -> None:
