@@ -96,13 +96,13 @@ from . import drafter as drafter_module
 from .cost import CostModel
 from .custom_generate import generate as _custom_generate_module
 from .drafting import HUB_KWARGS, detect_family, family_of
-from .standalone import attach_window_policy  # noqa: F401  (public here since the first release)
 from .utils import PEFT_ASSISTANT_MESSAGE, _looks_like_repo_id, is_peft_model, load_json
-from .windowing import (  # noqa: F401  (policy_dict and configure_generation_config are public here too)
+from .windowing import (  # noqa: F401  (attach_window_policy, policy_dict and configure_generation_config are public here too)
     GENERATION_CONFIG_KEY,
     WINDOW_POLICY_FILE,
     AdaptiveWindowPolicy,
     _check_policy,
+    attach_window_policy,
     configure_generation_config,
     policy_dict,
 )

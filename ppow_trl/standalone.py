@@ -3,7 +3,8 @@
 A truncated target (``ppow_trl.models.make_drafter(target, num_layers=...)``), a small LM of the same tokenizer, or
 a ``PPOWDrafterForCausalLM`` (reduced-vocabulary head). Its drafting state is its own KV cache; HF's assisted
 generation calls it as a causal LM, with ppow_trl's window rule installed as its ``generate``
-(``attach_window_policy``; the folder's copy is ``custom_generate/generate.py``).
+(``attach_window_policy``, defined with the window rule in ``ppow_trl.windowing``; the folder's copy is
+``custom_generate/generate.py``).
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from ._family_io import read_config
 from .batching import left_pad, positions_from_mask, prefill_contexts, shift_rows
-from .custom_generate.generate import generate as _hook_generate
 from .drafter import ReducedVocabHeadMixin
 from .drafting import HUB_KWARGS, DrafterFamily
 from .features import forward_at, target_forward
 from .gguf_export import export_gguf, gguf_files, load_gguf_drafter
 from .models import make_drafter
-from .utils import PEFT_ASSISTANT_MESSAGE, crop_cache, is_peft_model, unwrap_model
-from .windowing import configure_generation_config
+from .utils import PEFT_ASSISTANT_MESSAGE, crop_cache, unwrap_model
+from .windowing import attach_window_policy, configure_generation_config
 
 
 class StandaloneSession:
@@ -102,20 +102,6 @@ class StandaloneSession:
             self.mask, self.positions = mask, positions
 
         return step
-
-
-def attach_window_policy(drafter, policy, vocab_size: int | None = None):
-    """In memory, without saving: make ``drafter`` apply ``policy`` as an HF assistant; returns ``drafter``.
-
-    Sets its generation config (``configure_generation_config``) and replaces its ``generate`` with
-    ``functools.partial(ppow_trl.custom_generate.generate.generate, model=drafter)``: the same code a folder's
-    ``custom_generate/generate.py`` holds, installed as ``from_pretrained(trust_remote_code=True)`` would.
-    """
-    if is_peft_model(drafter):
-        raise ValueError(PEFT_ASSISTANT_MESSAGE)
-    configure_generation_config(drafter.generation_config, policy, vocab_size)
-    drafter.generate = functools.partial(_hook_generate, model=drafter)
-    return drafter
 
 
 class StandaloneFamily(DrafterFamily):

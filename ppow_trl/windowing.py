@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -20,12 +21,13 @@ from .custom_generate.generate import (
     PPOW_GENERATION_CONFIG_KEY as GENERATION_CONFIG_KEY,
     SpeculationGuard,
     WindowBudget,
+    generate as _hook_generate,
     keep_drafting,
     window_confidence,
 )
 from .rewards import divergence
 from .verification import lengths_to_mask
-from .utils import load_json, save_json
+from .utils import PEFT_ASSISTANT_MESSAGE, is_peft_model, load_json, save_json
 
 WINDOW_POLICY_FILE = "ppow_window_policy.json"
 
@@ -280,3 +282,17 @@ def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy,
     # key from a Hub repo's generation_config.json: mark it as the drafter's own.
     generation_config._from_model_config = False
     return generation_config
+
+
+def attach_window_policy(drafter, policy, vocab_size: int | None = None):
+    """In memory, without saving: make ``drafter`` apply ``policy`` as an HF assistant; returns ``drafter``.
+
+    Sets its generation config (``configure_generation_config``) and replaces its ``generate`` with
+    ``functools.partial(ppow_trl.custom_generate.generate.generate, model=drafter)``: the same code a folder's
+    ``custom_generate/generate.py`` holds, installed as ``from_pretrained(trust_remote_code=True)`` would.
+    """
+    if is_peft_model(drafter):
+        raise ValueError(PEFT_ASSISTANT_MESSAGE)
+    configure_generation_config(drafter.generation_config, policy, vocab_size)
+    drafter.generate = functools.partial(_hook_generate, model=drafter)
+    return drafter
