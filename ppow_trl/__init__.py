@@ -6,6 +6,11 @@ __version__ = "0.1.0.dev0"
 # (PPOWTrainer overrides private methods of trl 1.16's GRPOTrainer). The check runs when _compat is imported.
 from . import _compat  # noqa: F401
 
+# The old module paths (ppow_trl.generation, ppow_trl.eagle3, ...) still import, as the moved modules themselves, with a
+# FutureWarning naming the new path; so does ppow_trl.<old name> as an attribute (ppow_trl/_moved.py).
+# Importing _moved puts its finder first on sys.meta_path.
+from ._moved import moved_attribute as __getattr__  # noqa: F401
+
 # Importing the drafter module registers the `ppow_drafter` model type with AutoConfig and
 # AutoModelForCausalLM, so `AutoModelForCausalLM.from_pretrained(saved_drafter)` works after `import ppow_trl`.
 from .cost import CostModel, calibrate_cost_model, overall_speedup, speedup

@@ -1,0 +1,92 @@
+"""Old module paths of ppow_trl, kept importable after the modules moved into subpackages.
+
+``MOVED`` maps an old dotted name to the module's new one. ``import ppow_trl.generation`` (or ``from
+ppow_trl.verification import greedy_verify``) imports the new module, returns that same object
+(``sys.modules[old] is sys.modules[new]``: one module, one set of classes) and warns once with a ``FutureWarning``
+naming the new path. A moved package takes its submodules along: ``ppow_trl.eagle3.family`` is
+``ppow_trl.drafters.eagle3.family``. ``ppow_trl.<old name>`` as an attribute works the same way (the package's
+``__getattr__`` is ``moved_attribute``). Inside the project only the new paths are used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import os
+import sys
+import warnings
+
+MOVED: dict[str, str] = {}
+
+
+def new_name(old: str) -> str | None:
+    """The new dotted name of ``old`` (a module in ``MOVED``, or a submodule of a package in it), else ``None``."""
+    if not old.startswith("ppow_trl."):
+        return None
+    if old in MOVED:
+        return MOVED[old]
+    package = old.rpartition(".")[0]
+    while package != "ppow_trl":
+        if package in MOVED:
+            return f"{MOVED[package]}.{old[len(package) + 1:]}"
+        package = package.rpartition(".")[0]
+    return None
+
+
+def _stacklevel() -> int:
+    """The warning's stack level: the first frame outside the import machinery and this file (the import line)."""
+    machinery = (f"{os.sep}importlib{os.sep}", "<frozen importlib")
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or any(part in frame.f_code.co_filename for part in machinery)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class _MovedLoader(importlib.abc.Loader):
+    """Loads an old name as the module at its new name (imported first): the same object, with its own spec."""
+
+    def __init__(self, new: str):
+        self.new = new
+        self.module = None
+
+    def create_module(self, spec):
+        warnings.warn(f"{spec.name} moved to {self.new}: import it from there (the old path will be removed).",
+                      FutureWarning, stacklevel=_stacklevel())
+        self.module = importlib.import_module(self.new)
+        self.spec = self.module.__spec__
+        return self.module
+
+    def exec_module(self, module):
+        # module_from_spec gave the module the old name's spec: give it its own back (pickling, reload, -m).
+        module.__spec__ = self.spec
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """Finds the old names of ``MOVED`` (first on ``sys.meta_path``, so a package's old name cannot load a second
+    copy of one of its submodules from the new folder)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        new = new_name(fullname)
+        if new is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, _MovedLoader(new))
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (once)."""
+    if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, MovedModuleFinder())
+
+
+def moved_attribute(name: str):
+    """``ppow_trl.<name>`` for an old submodule name (``ppow_trl.generation``): the moved module, imported by its old
+    name (so it warns); any other name raises ``AttributeError``."""
+    old = f"ppow_trl.{name}"
+    if old not in MOVED:
+        raise AttributeError(f"module 'ppow_trl' has no attribute {name!r}")
+    return importlib.import_module(old)
+
+
+install()
