@@ -30,12 +30,12 @@ from transformers import TrainerCallback
 
 from ppow_trl.cached_verification import cached_next_tokens, verify_windows_from_cache
 from ppow_trl.contexts import ContextPool
-from ppow_trl.cost import CostModel
-from ppow_trl.rollout import verify_windows, window_rewards
+from ppow_trl.serving.cost import CostModel
+from ppow_trl.serving.rollout import verify_windows, window_rewards
 from ppow_trl.study.arms import ARMS
 from ppow_trl.study.runner import StudyConfig, _build_drafter, _load, _load_drafter
 from ppow_trl.utils import set_cpu_threads
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 
 class StepTimes(TrainerCallback):
@@ -157,7 +157,7 @@ def main() -> None:
         drafter, source = _load_drafter(args.drafter, target), str(args.drafter)
     else:
         drafter, source = _build_drafter(ARMS["kd"], config, target, tokenizer, draft_vocab).eval(), "fresh truncated"
-    from ppow_trl.assisted import load_cost_model
+    from ppow_trl.serving.assisted import load_cost_model
 
     cost = load_cost_model(args.drafter) if (args.drafter / "config.json").is_file() else None
     cost = cost or CostModel(0.12, [1.0, 1.69, 2.06, 1.53, 1.78, 2.0, 2.2])

@@ -7,7 +7,7 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
 - ``hf_generate_compiled``: ``generate`` with ``cache_implementation="static"`` and a ``CompileConfig`` (inductor,
   ``fullgraph``, static shapes, freezing + max-autotune options), transformers' documented route; on a CPU it needs
   ``compile_config._compile_all_devices = True``;
-- ``compiled_plain[fp32]``: ppow_trl's loop without a drafter on the compiled runtime (``ppow_trl.runtime``);
+- ``compiled_plain[fp32]``: ppow_trl's loop without a drafter on the compiled runtime (``ppow_trl.serving.runtime``);
 - ``compiled_plain[bf16]`` (``--bf16-plain``): the same with the target's weights in bf16;
 - ``compiled_speculative[<drafter>]``: the loop with a drafter and the rule ``calibrate_for_serving`` chooses on the
   compiled runtime's measured costs (the main job's drafter, prompt lookup, and the hybrid of the two:
@@ -50,17 +50,17 @@ def child(args) -> dict:
 
     import ppow_trl  # noqa: F401
     from ppow_trl.bench.served import compare_arms, format_arms, generate_arm, loop_arm
-    from ppow_trl.calibration import held_out_contexts
-    from ppow_trl.compiled import CompileSettings, compile_cache_dir
+    from ppow_trl.serving.calibration import held_out_contexts
+    from ppow_trl.serving.compiled import CompileSettings, compile_cache_dir
     from ppow_trl.data import build_target_responses, encode_prompt, load_prompts, stop_token_ids
     from ppow_trl.drafting import get_family, load_drafter
     from ppow_trl.hybrid import hybrid_drafter
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path
-    from ppow_trl.runtime import serving_runtime
-    from ppow_trl.serving import calibrate_for_serving
+    from ppow_trl.serving.runtime import serving_runtime
+    from ppow_trl.serving.rule import calibrate_for_serving
     from ppow_trl.utils import cache_root, set_cpu_threads
-    from ppow_trl.windowing import AdaptiveWindowPolicy
+    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
     sys.path.insert(0, str(REPO))
     from benchmarks.llama_cpp_amx_build import cpu_description

@@ -40,16 +40,16 @@ import torch
 from accelerate import PartialState
 from transformers import AutoTokenizer
 
-from ppow_trl.calibration import held_out_contexts
+from ppow_trl.serving.calibration import held_out_contexts
 from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts, stop_token_ids
-from ppow_trl.generation import speculative_generate
+from ppow_trl.serving.generation import speculative_generate
 from ppow_trl.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.models import build_draft_vocab, load_target, make_drafter
 from ppow_trl.offline import smollm2_path
-from ppow_trl.serving import calibrate_for_serving
+from ppow_trl.serving.rule import calibrate_for_serving
 from ppow_trl.study.evaluate import greedy_records, summarize
 from ppow_trl.utils import cache_root, set_cpu_threads
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 FIXED = AdaptiveWindowPolicy(4, 0.0)
 DEFAULT_POINTS = (25_000, 50_000, 100_000, 150_000, 200_000)

@@ -1,6 +1,6 @@
 """Exact greedy tau of one saved drafter, prompt by prompt: a deterministic fingerprint of the evaluation path.
 
-Exact greedy tau (``ppow_trl.generation.exact_greedy_tau``) is a function of the target, the drafter and the rule
+Exact greedy tau (``ppow_trl.serving.generation.exact_greedy_tau``) is a function of the target, the drafter and the rule
 only: no sampling, no timing. Running this script on two checkouts with the same drafter folder and comparing the
 JSON shows whether a change moved any evaluated figure (the refactor of issue 18 was checked this way against the
 commit before it). Runs on every ppow_trl version since exact_greedy_tau existed (standalone drafters folders are
@@ -23,11 +23,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ppow_trl  # noqa: F401  (registers the reduced-vocabulary drafter)
 from ppow_trl.data import encode_prompt, load_prompts, stop_token_ids
-from ppow_trl.generation import exact_greedy_tau, greedy_continuation
+from ppow_trl.serving.generation import exact_greedy_tau, greedy_continuation
 from ppow_trl.models import load_target
 from ppow_trl.offline import smollm2_path
 from ppow_trl.utils import set_cpu_threads
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 
 def main(argv=None) -> dict:

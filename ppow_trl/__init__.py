@@ -6,34 +6,34 @@ __version__ = "0.1.0.dev0"
 # (PPOWTrainer overrides private methods of trl 1.16's GRPOTrainer). The check runs when _compat is imported.
 from . import _compat  # noqa: F401
 
-# The old module paths (ppow_trl.generation, ppow_trl.eagle3, ...) still import, as the moved modules themselves, with a
-# FutureWarning naming the new path; so does ppow_trl.<old name> as an attribute (ppow_trl/_moved.py).
+# The module paths from before the subpackages still import, as the moved modules themselves, with a FutureWarning
+# naming the new path; so does ppow_trl.<old name> as an attribute (the table: ppow_trl/_moved.py).
 # Importing _moved puts its finder first on sys.meta_path.
 from ._moved import moved_attribute as __getattr__  # noqa: F401
 
 # Importing the drafter module registers the `ppow_drafter` model type with AutoConfig and
 # AutoModelForCausalLM, so `AutoModelForCausalLM.from_pretrained(saved_drafter)` works after `import ppow_trl`.
-from .cost import CostModel, calibrate_cost_model, overall_speedup, speedup
+from .serving.cost import CostModel, calibrate_cost_model, overall_speedup, speedup
 from .drafter import PPOWDrafterConfig, PPOWDrafterForCausalLM
 # Drafter families (standalone, eagle3, dflash, prompt_lookup) and their registry.
 from .drafting import DrafterFamily, family_of, get_family, load_drafter, register_family
 # Registers the `ppow_eagle3` model type too (EAGLE-3 heads reading the target's hidden states).
 from .eagle3 import Eagle3DrafterConfig, Eagle3DrafterForCausalLM
-from .generation import exact_greedy_tau, speculative_generate
+from .serving.generation import exact_greedy_tau, speculative_generate
 # Serving: the served rule, the generate(assistant_model=...) hook, the runtime, the hybrid with prompt lookup.
-from .assisted import load_assistant, save_assistant
-from .calibration import held_out_contexts
+from .serving.assisted import load_assistant, save_assistant
+from .serving.calibration import held_out_contexts
 from .hybrid import hybrid_drafter
-from .runtime import serving_runtime
-from .serving import calibrate_for_serving, describe_serving_rule
+from .serving.runtime import serving_runtime
+from .serving.rule import calibrate_for_serving, describe_serving_rule
 # llama.cpp's layout for standalone Llama drafters (CPU serving in llama.cpp; ppow_trl.llama_cpp_draft).
 from .gguf_export import export_gguf
 from .kd_trainer import KDConfig, KDTrainer
 from .models import OFFLINE_TARGET, build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter
 from .ppow_config import PPOWConfig
 from .ppow_trainer import PPOWTrainer
-from .rewards import divergence, proximity_reward, window_reward
-from .verification import (
+from .serving.rewards import divergence, proximity_reward, window_reward
+from .serving.verification import (
     acceptance_probabilities,
     expected_accepted_length,
     greedy_accepted_length,
@@ -41,7 +41,7 @@ from .verification import (
     residual_distribution,
     speculative_sampling_verify,
 )
-from .windowing import AdaptiveWindowPolicy, divergence_scores, window_start_probabilities
+from .serving.windowing import AdaptiveWindowPolicy, divergence_scores, window_start_probabilities
 
 __all__ = [
     "load_assistant",

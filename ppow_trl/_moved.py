@@ -17,7 +17,21 @@ import os
 import sys
 import warnings
 
-MOVED: dict[str, str] = {}
+MOVED: dict[str, str] = {
+    "ppow_trl.assistant_loop": "ppow_trl.serving.assistant_loop",
+    "ppow_trl.assisted": "ppow_trl.serving.assisted",
+    "ppow_trl.calibration": "ppow_trl.serving.calibration",
+    "ppow_trl.compiled": "ppow_trl.serving.compiled",
+    "ppow_trl.cost": "ppow_trl.serving.cost",
+    "ppow_trl.credit": "ppow_trl.serving.credit",
+    "ppow_trl.custom_generate": "ppow_trl.serving.custom_generate",
+    "ppow_trl.generation": "ppow_trl.serving.generation",
+    "ppow_trl.rewards": "ppow_trl.serving.rewards",
+    "ppow_trl.rollout": "ppow_trl.serving.rollout",
+    "ppow_trl.runtime": "ppow_trl.serving.runtime",
+    "ppow_trl.verification": "ppow_trl.serving.verification",
+    "ppow_trl.windowing": "ppow_trl.serving.windowing",
+}
 
 
 def new_name(old: str) -> str | None:
@@ -35,12 +49,17 @@ def new_name(old: str) -> str | None:
 
 
 def _stacklevel() -> int:
-    """The warning's stack level: the first frame outside the import machinery and this file (the import line)."""
-    machinery = (f"{os.sep}importlib{os.sep}", "<frozen importlib")
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename == __file__
-                                 or any(part in frame.f_code.co_filename for part in machinery)):
-        frame, level = frame.f_back, level + 1
+    """The warning's stack level: the import line, past this file and importlib (counted as ``warnings`` counts:
+    it skips importlib's bootstrap frames itself)."""
+    frame, level = sys._getframe(1), 1  # the caller, create_module, is level 1
+    while frame.f_back is not None:
+        frame = frame.f_back
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:
+            continue
+        level += 1
+        if name != __file__ and f"{os.sep}importlib{os.sep}" not in name:
+            break
     return level
 
 

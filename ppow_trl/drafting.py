@@ -28,7 +28,7 @@ the family:
 - ``teacher_forced_logits(prompt, text, max_window, features)``: the proposals of a window started after every
   prefix of a known text (exact greedy tau, without running the loop);
 - ``timed_step(context, features)``: a callable running one unit the cost model charges (a drafted token, or a
-  round for a block drafter), state put back after each call (``ppow_trl.cost``);
+  round for a block drafter), state put back after each call (``ppow_trl.serving.cost``);
 - ``forwards``: drafter forwards run so far; ``target_layer_ids``: the target features it reads (``None``: none);
   ``max_window``: the most tokens it drafts per round (``None``: no limit).
 
@@ -102,7 +102,7 @@ class DrafterFamily:
         hf_generate_kwargs: extra ``target.generate`` arguments of the family's own route in transformers (DFlash:
             ``speculation_type="dflash"``); empty for drafters HF calls as assistant causal LMs.
         compiles: the drafter is a causal LM over its own KV cache, which the compiled runtime
-            (``ppow_trl.runtime``) compiles like the target; the others draft eagerly.
+            (``ppow_trl.serving.runtime``) compiles like the target; the others draft eagerly.
         writes_hook_file: ``save_assistant`` copies ``custom_generate/generate.py`` into its folders (HF calls the
             drafter's ``generate`` as an assistant); a family with its own native route does not.
     """

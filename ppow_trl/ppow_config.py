@@ -8,8 +8,8 @@ import torch
 from trl import GRPOConfig
 
 from .models import QUANTIZATIONS
-from .rewards import DIVERGENCES
-from .runtime import RUNTIMES
+from .serving.rewards import DIVERGENCES
+from .serving.runtime import RUNTIMES
 
 
 @dataclass
@@ -127,7 +127,7 @@ class PPOWConfig(GRPOConfig):
             `None`, `"4bit"` or `"8bit"` (bitsandbytes): how a target given by name is loaded.
         runtime (`str`, *optional*, defaults to `"eager"`):
             The runtime the cost model (the speed reward's, and the served rule's) is measured on and the recipe's
-            evaluation serves on (`ppow_trl.runtime`): `"compiled"` (inductor over a static KV cache, on CPUs;
+            evaluation serves on (`ppow_trl.serving.runtime`): `"compiled"` (inductor over a static KV cache, on CPUs;
             minutes to compile once per machine, then cached on disk; eager with a one-line message where compiling
             is not possible) or `"eager"`. The recipe's offline default sets `"compiled"`. Training always runs
             eagerly.

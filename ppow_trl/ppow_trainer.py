@@ -22,11 +22,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from ._trl_compat import split_tensor_dict, unwrap_model_for_generation
-from .assisted import write_assistant_files
-from .calibration import calibrate_policy, held_out_contexts
+from .serving.assisted import write_assistant_files
+from .serving.calibration import calibrate_policy, held_out_contexts
 from .contexts import ContextPool, ContextSelector, refresh_scores
-from .cost import COST_MODEL_FILE, CostModel
-from .credit import per_position_advantages
+from .serving.cost import COST_MODEL_FILE, CostModel
+from .serving.credit import per_position_advantages
 from .drafter import ReducedVocabHeadMixin
 from .drafting import family_of, load_drafter
 from .features import RolloutFeatures
@@ -34,13 +34,13 @@ from .model_card import render_model_card, write_model_card
 from .models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
 from .held_out import held_out_tau_counts, held_out_window_metrics
-from .rewards import divergence
-from .runtime import serving_runtime
+from .serving.rewards import divergence
+from .serving.runtime import serving_runtime
 from .cached_verification import cached_next_tokens, verify_windows_from_cache
-from .rollout import VerifiedWindows, verify_windows, window_rewards
+from .serving.rollout import VerifiedWindows, verify_windows, window_rewards
 from .window_logprobs import install_loss_route
 from .utils import unwrap_model
-from .windowing import AdaptiveWindowPolicy
+from .serving.windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class PPOWTrainer(GRPOTrainer):
         return 0.0 if self.args.acceptance == "greedy" else self.args.verify_temperature
 
     def window_rewards(self, verified: VerifiedWindows) -> dict[str, torch.Tensor]:
-        """The reward terms of PPOW.md for verified windows (``ppow_trl.rollout.window_rewards`` with this run's cost
+        """The reward terms of PPOW.md for verified windows (``ppow_trl.serving.rollout.window_rewards`` with this run's cost
         model, speed reward and proximity settings)."""
         cost_model = self.cost_model if self.args.speed_reward == "cost" else None
         return window_rewards(verified, cost_model, proximity_divergence=self.args.proximity_divergence,
@@ -480,7 +480,7 @@ class PPOWTrainer(GRPOTrainer):
     def calibrate_window_policy(self, dataset=None) -> AdaptiveWindowPolicy | None:
         """Set ``self.window_policy`` to the ``(K <= max_window, h)`` that maximises the cost-model speedup on
         held-out contexts of ``dataset`` (default ``eval_dataset``) in ``args.calibration_regime``
-        (``ppow_trl.calibration.calibrate_policy``); returns it, or None without held-out data.
+        (``ppow_trl.serving.calibration.calibrate_policy``); returns it, or None without held-out data.
 
         Runs on the main process; the result is broadcast so every process holds the same rule.
         """
@@ -601,7 +601,7 @@ class PPOWTrainer(GRPOTrainer):
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
             # Generation reads the rule and the costs that training used from the drafter's folder; HF's
-            # `assistant_model=` path applies the rule through custom_generate/ (see ppow_trl/assisted.py).
+            # `assistant_model=` path applies the rule through custom_generate/ (see ppow_trl/serving/assisted.py).
             write_assistant_files(output_dir, self.window_policy, self._cost_model, vocab_size=self.vocab_size,
                                   hook=self.family.writes_hook_file)
 

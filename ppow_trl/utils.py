@@ -92,7 +92,7 @@ def is_peft_model(model) -> bool:
 PEFT_ASSISTANT_MESSAGE = (
     "A PEFT adapter cannot carry the window hook: HF loads an adapter through its base model's folder, so neither "
     "custom_generate/generate.py nor the generation config of the adapter folder is used. Merge the adapter first "
-    "(`drafter = peft_model.merge_and_unload()`) and save the merged drafter with ppow_trl.assisted.save_assistant."
+    "(`drafter = peft_model.merge_and_unload()`) and save the merged drafter with ppow_trl.serving.assisted.save_assistant."
 )
 
 

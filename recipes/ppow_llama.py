@@ -28,20 +28,20 @@ from transformers.trainer_utils import get_last_checkpoint
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from ppow_trl import KDConfig, KDTrainer, PPOWConfig, PPOWTrainer
-from ppow_trl.assisted import save_assistant
+from ppow_trl.serving.assisted import save_assistant
 from ppow_trl.bench import BenchDrafter, run_benchmark
 from ppow_trl.bench.served import compare_arms, format_arms, generate_arm, loop_arm
-from ppow_trl.calibration import held_out_contexts
+from ppow_trl.serving.calibration import held_out_contexts
 from ppow_trl.data import (build_target_responses, compute_target_features, compute_target_topk, encode_prompt,
                            load_prompts, stop_token_ids)
 from ppow_trl.drafting import get_family
 from ppow_trl.hybrid import hybrid_drafter
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target
 from ppow_trl.model_card import PROTOCOL
-from ppow_trl.runtime import serving_runtime
-from ppow_trl.serving import calibrate_for_serving
+from ppow_trl.serving.runtime import serving_runtime
+from ppow_trl.serving.rule import calibrate_for_serving
 from ppow_trl.utils import cache_root, save_json, set_cpu_threads
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger("ppow_llama")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "offline_smollm2.yaml"
@@ -377,7 +377,7 @@ def calibrate_served_rule(trainer, drafter, runtime, calibration_data, training_
 def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_args):
     """Measure the cost model on ``drafter`` (merged, eval) on the serving runtime (``training_args.runtime``:
     compiled, cached on disk, or eager) and calibrate the served rule on the held-out responses
-    (``ppow_trl.serving.calibrate_for_serving``, main process, broadcast); the trainer then saves that rule.
+    (``ppow_trl.serving.rule.calibrate_for_serving``, main process, broadcast); the trainer then saves that rule.
     Returns the ``ServingRuntime`` on the main process (``None`` on the others)."""
     from accelerate.utils import broadcast_object_list
 

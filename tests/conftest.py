@@ -148,8 +148,8 @@ def first_two_tokens_test(target, drafter, prompt, vocab: int, samples: int, max
     tokens, rejected rounds)`` so callers can check the drafter was exercised."""
     from scipy.stats import chisquare
 
-    from ppow_trl.generation import speculative_generate
-    from ppow_trl.windowing import AdaptiveWindowPolicy
+    from ppow_trl.serving.generation import speculative_generate
+    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
     with torch.no_grad():
         step = torch.softmax(target(torch.arange(vocab)[None]).logits[0], -1)

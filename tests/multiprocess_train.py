@@ -23,7 +23,7 @@ from datasets import Dataset  # noqa: E402
 
 from conftest import easy_hard_bigram_table, make_bigram_llama, make_tiny_tokenizer  # noqa: E402
 from ppow_trl.contexts import score_sequences  # noqa: E402
-from ppow_trl.generation import exact_greedy_tau  # noqa: E402
+from ppow_trl.serving.generation import exact_greedy_tau  # noqa: E402
 from ppow_trl.ppow_config import PPOWConfig  # noqa: E402
 from ppow_trl.ppow_trainer import PPOWTrainer  # noqa: E402
 

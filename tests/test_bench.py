@@ -10,7 +10,7 @@ import torch
 from conftest import make_tiny_llama, make_tiny_tokenizer
 from ppow_trl.bench import FAST_METHODS, METHODS, BenchDrafter, main, run_benchmark, summarize_records
 from ppow_trl.metrics import load_speculative_metric, summarize
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 HF_LOOP_METHODS = ("hf_assisted", "hf_heuristic", "hf_confidence", "prompt_lookup", "hook")
 
@@ -38,7 +38,7 @@ def noisy_copy(model, noise=0.02, seed=1):
 
 def available_methods():
     try:
-        import ppow_trl.assisted  # noqa: F401
+        import ppow_trl.serving.assisted  # noqa: F401
     except ImportError:
         return [m for m in METHODS if m != "hook"]
     return list(METHODS)

@@ -1,4 +1,4 @@
-"""The compiled runtime (ppow_trl.compiled): inductor graphs per row count over a static KV cache.
+"""The compiled runtime (ppow_trl.serving.compiled): inductor graphs per row count over a static KV cache.
 
 Checked on a tiny Llama: the compiled forward computes the eager model's logits, rolling the static cache back
 after a rejection is exact, nothing recompiles inside the served loop (a new sequence, other positions, a crop,
@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import make_target_and_drafters
 
-from ppow_trl.compiled import CompiledCausalLM, CompileSettings, compile_cache_dir
-from ppow_trl.generation import greedy_continuation, speculative_generate
-from ppow_trl.runtime import compile_unavailable_reason
+from ppow_trl.serving.compiled import CompiledCausalLM, CompileSettings, compile_cache_dir
+from ppow_trl.serving.generation import greedy_continuation, speculative_generate
+from ppow_trl.serving.runtime import compile_unavailable_reason
 from ppow_trl.utils import crop_cache
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(compile_unavailable_reason(torch.nn.Linear(1, 1)) is not None,
@@ -127,7 +127,7 @@ import json, sys, torch
 sys.path.insert(0, {tests!r})
 from conftest import make_target_and_drafters
 from torch._dynamo.utils import counters
-from ppow_trl.compiled import CompiledCausalLM
+from ppow_trl.serving.compiled import CompiledCausalLM
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 cache_dir()  # what an earlier compile or import does: inductor writes its /tmp default into the environment
 torch.set_num_threads(1)
@@ -163,8 +163,8 @@ def test_a_second_process_finds_the_graphs_in_the_disk_cache(tmp_path):
 
 
 def test_serving_runtime_compiles_target_and_standalone_drafter_and_times_them(models):
-    from ppow_trl.runtime import serving_runtime
-    from ppow_trl.serving import calibrate_for_serving
+    from ppow_trl.serving.runtime import serving_runtime
+    from ppow_trl.serving.rule import calibrate_for_serving
 
     target, close, _ = models
     runtime = serving_runtime(target, close, runtime="compiled", max_window=MAX_ROWS - 1, max_cache_len=96,

@@ -13,8 +13,8 @@ from ppow_trl.contexts import (
     score_sequence,
     score_sequences,
 )
-from ppow_trl.verification import probabilities_from_logits
-from ppow_trl.windowing import divergence_scores, window_start_probabilities
+from ppow_trl.serving.verification import probabilities_from_logits
+from ppow_trl.serving.windowing import divergence_scores, window_start_probabilities
 
 
 

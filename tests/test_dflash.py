@@ -14,9 +14,9 @@ from transformers.cache_utils import DFlashCache
 from ppow_trl.data import compute_target_topk
 from ppow_trl.dflash import anchored_block_hidden, dflash_from_target, feature_layers
 from ppow_trl.eagle3 import target_features
-from ppow_trl.generation import exact_greedy_tau, speculative_generate
+from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.kd_trainer import KDConfig, KDTrainer
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 LAYERS = [0, 1, 3]  # decoder layers: hidden states 1, 2, 4
 MASK_ID = 6  # "system": never in the tiny data (user prompts only)
@@ -138,7 +138,7 @@ def test_native_route_is_lossless_with_the_adaptive_window(trained, tmp_path, th
     """target.generate(assistant_model=drafter, speculation_type="dflash"): stock transformers (AutoModel, no hook)
     and load_assistant's adaptive window both reproduce plain greedy; with the hook each round's window is the
     policy's rule on the block our session drafts after the same committed prefix."""
-    from ppow_trl.assisted import load_assistant, save_assistant
+    from ppow_trl.serving.assisted import load_assistant, save_assistant
     from ppow_trl.drafting import drafting_session
 
     target, drafter = trained["target"], trained["drafter"]
@@ -242,7 +242,7 @@ def test_offline_smollm2_routes_are_lossless(tmp_path):
     reproduce plain greedy (an untrained drafter: the mechanics, not the acceptance)."""
     from transformers import AutoTokenizer
 
-    from ppow_trl.assisted import load_assistant, save_assistant
+    from ppow_trl.serving.assisted import load_assistant, save_assistant
     from ppow_trl.dflash import choose_mask_token_id
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path

@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, se
 from ppow_trl.data import compute_target_topk
 from ppow_trl.data import compute_target_features
 from ppow_trl.eagle3 import Eagle3DrafterForCausalLM, context_features, target_features
-from ppow_trl.generation import exact_greedy_tau, speculative_generate
+from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.kd_trainer import KDConfig, KDTrainer
-from ppow_trl.rollout import draft_windows, target_window_probs
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.rollout import draft_windows, target_window_probs
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 LAYERS = [1, 2, 4]
 
@@ -327,7 +327,7 @@ def test_hf_assisted_generation_is_lossless_with_the_adaptive_window(trained, tm
     """target.generate(assistant_model=drafter) through the feature hooks: greedy output equals plain greedy and
     each round's window is the one our loop drafts (same rule, same state); sampling runs and stays in the
     target's support (its law is HF's own speculative sampling, tested by transformers)."""
-    from ppow_trl.assisted import load_assistant, save_assistant
+    from ppow_trl.serving.assisted import load_assistant, save_assistant
 
     target, drafter = trained["target"], trained["drafter"]
     policy = AdaptiveWindowPolicy(max_window=4, threshold=0.3)
@@ -363,7 +363,7 @@ def test_offline_smollm2_routes_are_lossless(tmp_path):
     acceptance)."""
     from transformers import AutoTokenizer
 
-    from ppow_trl.assisted import load_assistant, save_assistant
+    from ppow_trl.serving.assisted import load_assistant, save_assistant
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path
 
@@ -463,7 +463,7 @@ def test_hf_route_applies_the_guard_as_our_loop_does(trained):
     plainly round by round and probes again, making the same decisions as our loop; output stays plain greedy."""
     import copy
 
-    from ppow_trl.custom_generate.generate import guard_of
+    from ppow_trl.serving.custom_generate.generate import guard_of
     from ppow_trl.eagle3 import attach_to_target
 
     target, drafter = trained["target"], trained["drafter"]

@@ -11,15 +11,15 @@ import torch
 from conftest import make_tiny_llama, make_tiny_tokenizer, tiny_word_responses
 from transformers import set_seed
 
-from ppow_trl.assisted import load_assistant, save_assistant
-from ppow_trl.cost import calibrate_cost_model
+from ppow_trl.serving.assisted import load_assistant, save_assistant
+from ppow_trl.serving.cost import calibrate_cost_model
 from ppow_trl.data import compute_target_topk
 from ppow_trl.drafting import detect_family, drafting_session, family_names, family_of, get_family, load_drafter
 from ppow_trl.features import context_features
-from ppow_trl.generation import exact_greedy_tau, speculative_generate
+from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.kd_trainer import KDConfig, KDTrainer
-from ppow_trl.rollout import draft_windows
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.rollout import draft_windows
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 # How each family's drafter is built for the tiny 4-layer target, and how long KD trains it (0: not trained). A family
 # registered later without an entry is built with its defaults.

@@ -16,11 +16,11 @@ import torch
 
 from conftest import make_target_and_drafters
 from ppow_trl import exact_greedy_tau, speculative_generate
-from ppow_trl.assisted import load_assistant, save_assistant
-from ppow_trl.calibration import calibrate_policy
-from ppow_trl.cost import CostModel
-from ppow_trl.custom_generate.generate import SpeculationGuard, WindowBudget, guard_of
-from ppow_trl.windowing import AdaptiveWindowPolicy, search_window_grid
+from ppow_trl.serving.assisted import load_assistant, save_assistant
+from ppow_trl.serving.calibration import calibrate_policy
+from ppow_trl.serving.cost import CostModel
+from ppow_trl.serving.custom_generate.generate import SpeculationGuard, WindowBudget, guard_of
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy, search_window_grid
 
 GUARD = {"break_even_tokens": 1.5, "window": 3, "probe_every": 4}
 
@@ -188,7 +188,7 @@ def test_calibration_sets_the_guard_from_the_cost_of_the_chosen_rule(models):
 def test_calibrate_for_serving_measures_the_served_drafter_and_picks_plain_decoding_when_nothing_pays(models):
     """On the drafter as served: its own cost model, the best speculative rule kept for reference (many (K, h) tie
     on a random drafter's windows), K = 0 exactly when that rule is predicted at or under 1x."""
-    from ppow_trl.serving import calibrate_for_serving
+    from ppow_trl.serving.rule import calibrate_for_serving
 
     target, random_drafter, close_drafter = models
     contexts = [ids[0] for ids in prompts(8)]

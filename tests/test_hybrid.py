@@ -10,10 +10,10 @@ import torch
 from conftest import make_target_and_drafters, make_tiny_llama
 
 from ppow_trl.drafting import drafting_session, family_of, get_family
-from ppow_trl.generation import greedy_continuation, speculative_generate
+from ppow_trl.serving.generation import greedy_continuation, speculative_generate
 from ppow_trl.hybrid import HybridDrafter, hybrid_drafter
 from ppow_trl.prompt_lookup import lookup_next_token
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +97,10 @@ def test_hf_route_keeps_its_session_across_calls_and_restarts_on_a_new_prompt(mo
 def test_calibration_charges_the_drafter_only_for_the_tokens_it_proposed(models):
     """Batched rollouts mark each drafted token as charged (the model proposed it) or free (a lookup), matching the
     lookup itself position by position; the speedup and the guard's break-even charge t_d only for the former."""
-    from ppow_trl.calibration import calibration_rollouts
-    from ppow_trl.cost import CostModel
-    from ppow_trl.rollout import draft_windows
-    from ppow_trl.windowing import charged_within, policy_speedup
+    from ppow_trl.serving.calibration import calibration_rollouts
+    from ppow_trl.serving.cost import CostModel
+    from ppow_trl.serving.rollout import draft_windows
+    from ppow_trl.serving.windowing import charged_within, policy_speedup
 
     target, _, hybrid = models
     # repeated phrases (lookups find tokens) and distinct tokens (nothing to look up at first)

@@ -359,8 +359,8 @@ def test_tv_training_raises_the_acceptance_rate(setup, tmp_path):
 def test_eval_tau_is_exact_greedy_tau_on_the_eval_responses(setup, tmp_path):
     """eval_tau = tokens / rounds of exact_greedy_tau over the eval prompts, with their responses as the target's
     greedy text: checked against the live loop's output of each prompt."""
-    from ppow_trl.generation import speculative_generate
-    from ppow_trl.windowing import AdaptiveWindowPolicy
+    from ppow_trl.serving.generation import speculative_generate
+    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
     target, tokenizer = setup["target"], setup["tokenizer"]
     greedy = build_target_responses(target, tokenizer, Dataset.from_list(

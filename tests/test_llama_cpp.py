@@ -16,7 +16,7 @@ import torch
 from conftest import make_tiny_llama
 from test_gguf_export import PROMPTS, make_bpe_tokenizer
 
-from ppow_trl.generation import speculative_generate
+from ppow_trl.serving.generation import speculative_generate
 from ppow_trl.gguf_export import export_gguf
 from ppow_trl.llama_cpp_draft import (
     LLAMA_CPP_INSTALL,
@@ -38,7 +38,7 @@ from ppow_trl.llama_cpp_build import (
     quantized_eval_probe,
 )
 from ppow_trl.models import truncate_model
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 llama_cpp = pytest.importorskip("llama_cpp", reason=f"llama-cpp-python is not installed: {LLAMA_CPP_INSTALL}")
 

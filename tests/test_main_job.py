@@ -68,9 +68,9 @@ def test_main_job_saves_a_drafter_and_its_served_rule(main_job):
 def test_saved_drafter_through_the_hook_is_lossless(main_job):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ppow_trl.assisted import load_assistant
+    from ppow_trl.serving.assisted import load_assistant
     from ppow_trl.standalone import attach_window_policy
-    from ppow_trl.windowing import AdaptiveWindowPolicy
+    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
     out, _, cache = main_job
     target_folder = cache / "SmolLM2-135M-Instruct"

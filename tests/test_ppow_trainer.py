@@ -9,14 +9,14 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from ppow_trl.cost import CostModel, speedup
+from ppow_trl.serving.cost import CostModel, speedup
 from ppow_trl.models import make_drafter
 from ppow_trl.ppow_config import PPOWConfig
 from ppow_trl.ppow_trainer import PPOWTrainer
-from ppow_trl.rewards import proximity_reward
-from ppow_trl.rollout import draft_windows, target_window_probs
-from ppow_trl.verification import acceptance_probabilities, expected_accepted_length, prefix_acceptance_probabilities
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.rewards import proximity_reward
+from ppow_trl.serving.rollout import draft_windows, target_window_probs
+from ppow_trl.serving.verification import acceptance_probabilities, expected_accepted_length, prefix_acceptance_probabilities
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 from conftest import easy_hard_bigram_table, make_bigram_llama, make_tiny_llama, make_tiny_tokenizer
 
@@ -363,7 +363,7 @@ def test_cached_greedy_rewards_train_exactly_like_target_verified_ones(tmp_path,
 def test_speed_reward_costs_are_measured_on_the_serving_runtime(tmp_path, bigram):
     """With runtime="compiled" the cost model the speed reward divides by is timed on the compiled runtime (the
     target and a merged copy of the drafter), and says so; the drafter under training is left as it was."""
-    from ppow_trl.runtime import compile_unavailable_reason
+    from ppow_trl.serving.runtime import compile_unavailable_reason
 
     table, target = bigram
     if compile_unavailable_reason(target) is not None:

@@ -10,9 +10,9 @@ import torch
 from conftest import first_two_tokens_test, make_bigram_llama, make_tiny_llama
 
 from ppow_trl.drafting import get_family
-from ppow_trl.generation import speculative_generate
+from ppow_trl.serving.generation import speculative_generate
 from ppow_trl.prompt_lookup import lookup_next_token
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 
 def brute_force_lookup(sequence, max_n, min_n):

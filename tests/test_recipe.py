@@ -76,7 +76,7 @@ def test_pipeline_runs_on_tiny_models(tmp_path):
         assert saved_policy["calibration"]["serving_rule"] in card
         assert (saved_policy["max_window"] == 0) == (saved_policy["calibration"]["best_speculative_speedup"] <= 1.0)
     # the merged standalone drafter loads as an assistant and stays lossless
-    from ppow_trl.assisted import load_assistant
+    from ppow_trl.serving.assisted import load_assistant
 
     target = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5)
     assistant = load_assistant(out / "merged")
@@ -131,7 +131,7 @@ def test_eagle3_pipeline_runs_on_tiny_models(tmp_path):
     out = tmp_path / "out"
     assert trainer.state.global_step == 2 and (out / "README.md").exists()
     assert "EAGLE-3 head" in (out / "README.md").read_text()
-    from ppow_trl.assisted import load_assistant
+    from ppow_trl.serving.assisted import load_assistant
     from ppow_trl.eagle3 import import_eagle3, target_features
 
     target = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5)
@@ -170,7 +170,7 @@ def test_dflash_pipeline_runs_on_tiny_models(tmp_path):
     assert trainer.state.global_step == 2 and "DFlash block drafter" in (out / "README.md").read_text()
     from transformers import AutoModel
 
-    from ppow_trl.assisted import load_assistant
+    from ppow_trl.serving.assisted import load_assistant
     from ppow_trl.dflash import anchored_block_hidden, import_dflash
 
     target = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5)

@@ -1,4 +1,4 @@
-"""Choosing the serving runtime (ppow_trl.runtime) without compiling anything: arguments checked first, and every
+"""Choosing the serving runtime (ppow_trl.serving.runtime) without compiling anything: arguments checked first, and every
 reason not to compile gives the eager models with one warning line, never a crash."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import make_target_and_drafters
 
-from ppow_trl import runtime as runtime_module
-from ppow_trl.runtime import compile_unavailable_reason, serving_runtime
+from ppow_trl.serving import runtime as runtime_module
+from ppow_trl.serving.runtime import compile_unavailable_reason, serving_runtime
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,9 @@ def test_loop_overhead_is_the_host_work_the_forwards_do_not_explain(models, monk
     loaded machine."""
     import time
 
-    from ppow_trl import generation
-    from ppow_trl.cost import calibrate_cost_model
-    from ppow_trl.runtime import measure_loop_overhead
+    from ppow_trl.serving import generation
+    from ppow_trl.serving.cost import calibrate_cost_model
+    from ppow_trl.serving.runtime import measure_loop_overhead
 
     target, close = models
     with torch.no_grad():

@@ -10,8 +10,8 @@ import torch
 from conftest import make_bigram_llama, make_tiny_llama, make_tiny_tokenizer
 from datasets import Dataset
 
-from ppow_trl.calibration import held_out_contexts
-from ppow_trl.generation import speculative_generate
+from ppow_trl.serving.calibration import held_out_contexts
+from ppow_trl.serving.generation import speculative_generate
 from ppow_trl.study.budget import TrainingBudget
 from ppow_trl.study.evaluate import (
     bootstrap_interval,
@@ -21,7 +21,7 @@ from ppow_trl.study.evaluate import (
     sampled_records,
     summarize,
 )
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 
 def _records(seed, n=40, scale=1.0):

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from ppow_trl.assisted import load_assistant, save_assistant
-from ppow_trl.generation import speculative_generate
-from ppow_trl.rollout import draft_windows
-from ppow_trl.windowing import AdaptiveWindowPolicy
+from ppow_trl.serving.assisted import load_assistant, save_assistant
+from ppow_trl.serving.generation import speculative_generate
+from ppow_trl.serving.rollout import draft_windows
+from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 from test_assisted import generate, make_models, prompts, spy, without_eos
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..cost import CostModel
+from ..serving.cost import CostModel
 from ..drafting import family_of
-from ..generation import speculative_generate
-from ..windowing import AdaptiveWindowPolicy
+from ..serving.generation import speculative_generate
+from ..serving.windowing import AdaptiveWindowPolicy
 
 METHODS = (
     "target", "hf_assisted", "hf_heuristic", "hf_confidence", "prompt_lookup", "hook", "fast_fixed", "fast_adaptive",
@@ -181,9 +181,9 @@ def _make_runners(methods, drafters, target, stop_ids, pad_id, vocab_size, assis
 
 
 def _hook_assistant(drafter: BenchDrafter, tokenizer, folder: Path, target=None):
-    """Save ``drafter`` with ``ppow_trl.assisted`` and load it back (imported here: the module is optional); a
+    """Save ``drafter`` with ``ppow_trl.serving.assisted`` and load it back (imported here: the module is optional); a
     feature-conditioned drafter is attached to ``target`` (its hooks are removed with ``close_assistant``)."""
-    from ..assisted import load_assistant, save_assistant
+    from ..serving.assisted import load_assistant, save_assistant
 
     original = copy.deepcopy(getattr(drafter.model, "generation_config", None))  # save_assistant sets it in memory
     try:

@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from ..generation import speculative_generate
-from ..windowing import AdaptiveWindowPolicy
+from ..serving.generation import speculative_generate
+from ..serving.windowing import AdaptiveWindowPolicy
 
 
 @dataclass

@@ -12,7 +12,7 @@ the target's hidden states itself:
   HF's verification forward over ``[last token] + candidates`` is thus also what hands the drafter the accepted
   tokens' features: no second target forward per round.
 - The drafter's ``generate`` is replaced by ``chain_generate`` (bound with ``functools.partial``, the same hook
-  mechanism as standalone drafters, ``ppow_trl.assisted``): when HF calls it as an assistant it reads the committed
+  mechanism as standalone drafters, ``ppow_trl.serving.assisted``): when HF calls it as an assistant it reads the committed
   ids, trims the features to the verified prefix (positions ``< len(ids) - 1``), catches the drafter's
   ``ChainSession`` up and drafts with PPOW's adaptive window (``PPOWWindowCriteria``, the same rule as every other
   route), sampling from the target's logits processors' output exactly as HF's own assistant decoding does. HF then
@@ -32,9 +32,9 @@ import contextlib
 import functools
 
 import torch
-from ..assistant_loop import check_assistant_call, draft_window
+from ..serving.assistant_loop import check_assistant_call, draft_window
 from ..features import target_features
-from ..windowing import configure_generation_config
+from ..serving.windowing import configure_generation_config
 from .session import ChainSession
 
 
@@ -111,7 +111,7 @@ def attach_to_target(drafter, target, policy=None, vocab_size: int | None = None
 
     Checks ``target`` is the one the drafter reads, registers the ``TargetFeatureTap`` and installs
     ``chain_generate``; ``policy`` (an ``AdaptiveWindowPolicy``) sets the window rule in the drafter's generation
-    config (``ppow_trl.windowing.configure_generation_config``), else the one it carries is used. Returns the tap.
+    config (``ppow_trl.serving.windowing.configure_generation_config``), else the one it carries is used. Returns the tap.
     """
     drafter.check_target(target)
     if policy is not None:
@@ -130,7 +130,7 @@ def attach_to_target(drafter, target, policy=None, vocab_size: int | None = None
 def chain_generate(*args, model, input_ids=None, generation_config=None, logits_processor=None, max_new_tokens=None,
                    **kwargs):
     """The EAGLE-3 drafter's ``generate`` as HF's assistant: one window after the committed ``input_ids``
-    (``ppow_trl.assistant_loop.draft_window``), after catching its ``ChainSession`` up on the target's features."""
+    (``ppow_trl.serving.assistant_loop.draft_window``), after catching its ``ChainSession`` up on the target's features."""
     input_ids = input_ids if input_ids is not None else args[0]
     check_assistant_call(generation_config, input_ids, "EAGLE-3")
     tap = model._ppow_feature_tap

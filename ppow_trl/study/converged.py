@@ -97,7 +97,7 @@ def converge(family: str, config: ConvergedConfig, results: Path = RESULTS, work
 
     from transformers import EarlyStoppingCallback, set_seed
 
-    from ..assisted import save_assistant
+    from ..serving.assisted import save_assistant
     from ..data import stop_token_ids
     from ..drafting import get_family
     from ..kd_trainer import KDConfig, KDTrainer
@@ -178,10 +178,10 @@ def run_arm(family: str, arm: str, seed: int, config: ConvergedConfig, results: 
     fixed K and at the converged drafter's calibrated rule (one rule for every arm: the comparison is of drafters)."""
     from transformers import set_seed
 
-    from ..assisted import load_cost_model, save_assistant
+    from ..serving.assisted import load_cost_model, save_assistant
     from ..data import stop_token_ids
     from ..utils import set_cpu_threads
-    from ..windowing import AdaptiveWindowPolicy
+    from ..serving.windowing import AdaptiveWindowPolicy
     from .runner import _load, _load_drafter, _probe, _result, evaluate_arm
 
     if arm not in ARMS:
@@ -316,7 +316,7 @@ def resample_sampling(path: Path, work: Path = WORK) -> None:
     """Recompute a finished result's T = 1 records with ``SAMPLES_PER_CONTEXT`` windows per prompt, from its saved
     drafter (results written before the evaluation drew several windows per prompt)."""
     from ..utils import set_cpu_threads
-    from ..windowing import AdaptiveWindowPolicy
+    from ..serving.windowing import AdaptiveWindowPolicy
     from .evaluate import sampled_records
     from .runner import _load, _load_drafter
 

@@ -96,7 +96,7 @@ def prepare_data(config: StudyConfig) -> dict:
 
 
 def _probe(target, calibration, config: StudyConfig, vocab: int, eos: list[int]):
-    from ..windowing import AdaptiveWindowPolicy
+    from ..serving.windowing import AdaptiveWindowPolicy
     from .evaluate import greedy_records, summarize
 
     fixed = AdaptiveWindowPolicy(config.probe_max_window)
@@ -119,7 +119,7 @@ def evaluate_arm(target, tokenizer, drafter, policy, tests, config: StudyConfig,
                  samples_per_context: int = 1) -> dict:
     """Greedy records at the saved policy and at fixed K (``rules``) on every test set; T = 1 records on
     ``sampling_sets``."""
-    from ..windowing import AdaptiveWindowPolicy
+    from ..serving.windowing import AdaptiveWindowPolicy
     from .evaluate import greedy_records, sampled_records
 
     vocab = len(tokenizer)
@@ -143,7 +143,7 @@ def run_arm(name: str, config: StudyConfig, results: Path = RESULTS, work: Path 
     """Train one arm to its budget, calibrate its window rule, evaluate it, save drafter and JSON."""
     from transformers import set_seed
 
-    from ..assisted import save_assistant
+    from ..serving.assisted import save_assistant
     from ..data import stop_token_ids
     from ..utils import set_cpu_threads
 
@@ -182,8 +182,8 @@ def run_arm(name: str, config: StudyConfig, results: Path = RESULTS, work: Path 
 def _cost_and_policy(target, tokenizer, drafter, calibration, config: StudyConfig):
     """A KD drafter's measured cost model and its greedy window rule calibrated on the held-out responses (as
     PPOWTrainer does at the end of train(): 4 contexts per response)."""
-    from ..calibration import calibrate_policy, held_out_contexts
-    from ..cost import calibrate_cost_model
+    from ..serving.calibration import calibrate_policy, held_out_contexts
+    from ..serving.cost import calibrate_cost_model
 
     cost = calibrate_cost_model(target, drafter, config.max_window, repeats=9)
     contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4)
@@ -260,7 +260,7 @@ def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_voc
 def _train_ppow(arm: Arm, config: StudyConfig, target, tokenizer, train, calibration, probe, work: Path):
     from peft import LoraConfig
 
-    from ..cost import calibrate_cost_model
+    from ..serving.cost import calibrate_cost_model
     from ..ppow_config import PPOWConfig
     from ..ppow_trainer import PPOWTrainer
     from .budget import TrainingBudget

@@ -41,7 +41,7 @@ from unittest import mock
 import torch
 import torch._inductor.config
 
-from .utils import cache_root, cpu_flags
+from ..utils import cache_root, cpu_flags
 
 logger = logging.getLogger(__name__)
 

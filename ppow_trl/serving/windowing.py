@@ -27,7 +27,7 @@ from .custom_generate.generate import (
 )
 from .rewards import divergence
 from .verification import lengths_to_mask
-from .utils import PEFT_ASSISTANT_MESSAGE, is_peft_model, load_json, save_json
+from ..utils import PEFT_ASSISTANT_MESSAGE, is_peft_model, load_json, save_json
 
 WINDOW_POLICY_FILE = "ppow_window_policy.json"
 
@@ -89,7 +89,7 @@ class AdaptiveWindowPolicy:
 
     ``conf_j = max_v softmax(z_j / confidence_temperature)`` of the drafter's logits ``z_j``: a property of
     the policy, the same in training rollouts, our generation loop, the HF hook, calibration and the
-    benchmark, greedy or sampled (``ppow_trl/custom_generate/generate.py`` holds the rule). The first token is
+    benchmark, greedy or sampled (``ppow_trl/serving/custom_generate/generate.py`` holds the rule). The first token is
     always drafted; the token whose confidence pushes the estimate below ``h`` is still proposed (it may be
     accepted) and ends the window. ``threshold = 0`` is a fixed window of ``max_window`` tokens. (A threshold
     on the acceptance estimate is optimal for this stopping problem under mild assumptions: SpecDec++, arXiv
@@ -101,7 +101,7 @@ class AdaptiveWindowPolicy:
         confidence_temperature (`float`): ``T_c > 0`` of the confidences (files saved before it existed load
             with 1.0, the value every route used for sampled windows).
         calibration (`dict`, *optional*): how ``(K, h)`` were chosen, written by
-            ``ppow_trl.calibration.calibrate_policy``: the regime they are for (``"greedy"`` or ``"sampling"``
+            ``ppow_trl.serving.calibration.calibrate_policy``: the regime they are for (``"greedy"`` or ``"sampling"``
             and its temperature), the number of held-out contexts, the predicted speedup. ``None``: set by hand.
         guard (`dict`, *optional*): the online guard of every generation, ``{"break_even_tokens": b, "window": W,
             "probe_every": N}`` (``SpeculationGuard``): drafting pauses for ``N`` rounds when the last ``W``
@@ -219,7 +219,7 @@ def search_window_grid(
     charged: torch.Tensor | None = None,
 ) -> tuple[AdaptiveWindowPolicy, list[dict]]:
     """The ``(K, h)`` maximising the cost-model speedup on held-out rollouts, and the grid: the search step of the one
-    calibration, ``ppow_trl.calibration.calibrate_policy`` (which drafts and verifies those windows and calls it).
+    calibration, ``ppow_trl.serving.calibration.calibrate_policy`` (which drafts and verifies those windows and calls it).
 
     ``confidences`` (at ``confidence_temperature``) and ``prefix_acceptance`` are ``(N, K_max)`` from windows
     of ``K_max`` tokens drafted on held-out contexts (see ``policy_speedup``; ``charged``: its drafter forwards).
@@ -237,7 +237,7 @@ def search_window_grid(
     return AdaptiveWindowPolicy(best["max_window"], best["threshold"], confidence_temperature), grid
 
 
-# The window rule in a drafter's generation config, for HF's assisted generation (``ppow_trl.assisted``).
+# The window rule in a drafter's generation config, for HF's assisted generation (``ppow_trl.serving.assisted``).
 
 def _check_policy(policy) -> AdaptiveWindowPolicy:
     if not isinstance(policy, AdaptiveWindowPolicy):
@@ -259,7 +259,7 @@ def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy,
     """Set a drafter's ``generation_config`` for HF's assisted generation with our rule; returns it.
 
     ``num_assistant_tokens = K`` (HF drafts at most this many; with a guard, a ``WindowBudget`` that reads 0 while the
-    guard pauses, see ``ppow_trl.custom_generate.generate``), ``num_assistant_tokens_schedule = "constant"``
+    guard pauses, see ``ppow_trl.serving.custom_generate.generate``), ``num_assistant_tokens_schedule = "constant"``
     (HF never changes K), ``assistant_confidence_threshold = 0`` (HF's per-token rule and its re-tuning are
     off), and ``ppow_window_policy = policy_dict(policy)`` (``K``, ``h``, ``T_c``; read by the hook), plus
     ``vocab_size`` when given (the tokenizer's length: confidences over those scores only, as in training).
@@ -288,7 +288,7 @@ def attach_window_policy(drafter, policy, vocab_size: int | None = None):
     """In memory, without saving: make ``drafter`` apply ``policy`` as an HF assistant; returns ``drafter``.
 
     Sets its generation config (``configure_generation_config``) and replaces its ``generate`` with
-    ``functools.partial(ppow_trl.custom_generate.generate.generate, model=drafter)``: the same code a folder's
+    ``functools.partial(ppow_trl.serving.custom_generate.generate.generate, model=drafter)``: the same code a folder's
     ``custom_generate/generate.py`` holds, installed as ``from_pretrained(trust_remote_code=True)`` would.
     """
     if is_peft_model(drafter):

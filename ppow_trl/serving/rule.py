@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .utils import is_peft_model
+from ..utils import is_peft_model
 from .calibration import calibrate_policy
 from .cost import CostModel
 from .runtime import ServingRuntime
@@ -51,7 +51,7 @@ def calibrate_for_serving(
     it; a random 128-token context underestimates ``t_v`` on long chats), in the drafter's and target's current
     dtype and device, with the drafter in eval mode. ``guard=None`` serves without the online guard.
 
-    ``runtime``: the ``ppow_trl.runtime.ServingRuntime`` that will serve (its models are timed, and the cost model
+    ``runtime``: the ``ppow_trl.serving.runtime.ServingRuntime`` that will serve (its models are timed, and the cost model
     names it); ``None`` times ``target`` and ``drafter`` as they are (eager). Acceptance statistics come from
     ``target`` and ``drafter`` either way: greedy tokens do not depend on the runtime, up to near ties.
     """

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafting import check_window, drafting_session
-from .features import forward_at
-from .models import logits_width
-from .utils import crop_cache
+from ..drafting import check_window, drafting_session
+from ..features import forward_at
+from ..models import logits_width
+from ..utils import crop_cache
 from .verification import (
     acceptance_histogram,
     greedy_verify_one,
@@ -47,7 +47,7 @@ from .verification import (
     sample_categorical,
     speculative_sampling_verify,
 )
-from .metrics.speculative_decoding.summary import TAU_CONVENTION  # the one text, also the metric module's
+from ..metrics.speculative_decoding.summary import TAU_CONVENTION  # the one text, also the metric module's
 from .windowing import AdaptiveWindowPolicy
 
 

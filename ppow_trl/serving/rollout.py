@@ -2,7 +2,7 @@
 
 ``contexts -> drafter windows (draft_windows) -> target distributions (target_window_probs) -> P(A >= k | y)
 (verify_windows) -> R_speed, R_prox, per-position credit (window_rewards)``. The trainer's rollouts, the window
-calibration (``ppow_trl.calibration``), the trainer's held-out metrics, the study and the demo all run it. Contexts
+calibration (``ppow_trl.serving.calibration``), the trainer's held-out metrics, the study and the demo all run it. Contexts
 have different lengths: they are left-padded and given explicit position ids, so each row sees the positions it
 would see alone.
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 # left_pad, length_buckets and positions_from_mask are re-exported: they lived here before ppow_trl.batching.
-from .batching import left_pad, length_buckets, positions_from_mask, prefill_contexts  # noqa: F401
-from .drafting import drafting_session
-from .features import context_features
+from ..batching import left_pad, length_buckets, positions_from_mask, prefill_contexts  # noqa: F401
+from ..drafting import drafting_session
+from ..features import context_features
 from .cost import CostModel, speedup
 from .credit import per_position_credit
 from .rewards import proximity_terms
@@ -196,7 +196,7 @@ def window_rewards(verified: VerifiedWindows, cost_model: CostModel | None, *, p
 
     Returns ``accepted`` (E[A|y], or A when greedy), ``prefix`` (P(A >= k)), ``lengths`` (L), ``speed``
     (``R_speed = S(y)`` with ``cost_model``, else ``E[A|y] + 1``), ``proximity`` (``R_prox = (1/L) sum_i w_i r_i``) and
-    ``credit`` (the per-position credit ``C_k`` of ``ppow_trl.credit``, 0 past L). ``proximity_positions``: ``"window"``
+    ``credit`` (the per-position credit ``C_k`` of ``ppow_trl.serving.credit``, 0 past L). ``proximity_positions``: ``"window"``
     (``w_i = 1`` on every drafted position, PPOW.md) or ``"reached"`` (``w_i = P(A >= i - 1 | y)``, the positions
     verification reaches: what cached greedy rewards can compute, ``ppow_trl.cached_verification``).
     """

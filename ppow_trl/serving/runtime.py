@@ -1,4 +1,4 @@
-"""The runtime a target and its drafter serve on: ``"compiled"`` (``ppow_trl.compiled``) or ``"eager"``.
+"""The runtime a target and its drafter serve on: ``"compiled"`` (``ppow_trl.serving.compiled``) or ``"eager"``.
 
 ``serving_runtime(target, drafter, runtime="compiled", max_window=K)`` is the one place that decides how the models
 run when they serve, and the cost model, the calibration of the served rule, the recipe and the benchmarks all go
@@ -29,8 +29,8 @@ import torch
 
 from .compiled import CompiledCausalLM, CompileSettings
 from .cost import CostModel, calibrate_cost_model
-from .drafting import family_of
-from .models import logits_width
+from ..drafting import family_of
+from ..models import logits_width
 from .generation import speculative_generate
 from .windowing import AdaptiveWindowPolicy
 

@@ -15,7 +15,7 @@ Route (transformers 5.24, checked in its ``generation/candidate_generator.py`` a
 So a drafter folder gets a generation config set for HF (``configure_generation_config``:
 ``num_assistant_tokens = K``, schedule ``"constant"`` so HF never changes K, ``assistant_confidence_threshold = 0``:
 HF's per-token rule and its ROC-based re-tuning are off, and the policy under ``ppow_window_policy``), and
-the hook is ``ppow_trl/custom_generate/generate.py``, a module of this package that ``save_assistant`` copies
+the hook is ``ppow_trl/serving/custom_generate/generate.py``, a module of this package that ``save_assistant`` copies
 verbatim into the folder. Its ``generate`` adds, only when HF calls it as an assistant, a stopping criterion
 implementing our running-product rule (``AdaptiveWindowPolicy``): after the ``i``-th drafted token, stop unless
 ``prod_{j<=i} conf_j >= h`` and ``i < K``, ``conf_j = max_v softmax(z_j / T_c)`` of the drafter's raw logits at
@@ -34,7 +34,7 @@ What the user writes:
 
 - With ppow_trl installed, **no remote code** (the default)::
 
-      from ppow_trl.assisted import load_assistant
+      from ppow_trl.serving.assisted import load_assistant
       drafter = load_assistant("my-drafter")                          # a folder, or
       drafter = load_assistant("you/ppow-drafter", revision="<commit>")  # a Hub repo id
       out = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=256)
@@ -50,7 +50,7 @@ What the user writes:
 
   Then transformers executes two files of the repo, at the revision it fetched:
 
-  * ``custom_generate/generate.py`` (always): a byte-identical copy of ``ppow_trl/custom_generate/generate.py``
+  * ``custom_generate/generate.py`` (always): a byte-identical copy of ``ppow_trl/serving/custom_generate/generate.py``
     of the ppow_trl version that saved it. On import it imports copy, json, os, torch and transformers'
     stopping criteria and defines functions; each ``generate`` call may read ``ppow_window_policy.json`` next
     to the weights, copies the generation config, appends the stopping criterion and calls the model class's
@@ -77,7 +77,7 @@ Other notes:
 
 - Batch size 1 only (HF's assisted decoding refuses larger batches).
 - HF also ends a window at EOS (the target's EOS; the drafter's own when the target has none), and caps it at
-  the room left before ``max_new_tokens`` (``ppow_trl.generation`` uses the same cap). Any other stopping
+  the room left before ``max_new_tokens`` (``ppow_trl.serving.generation`` uses the same cap). Any other stopping
   criterion the user passes to ``target.generate`` applies to the target only.
 - A PEFT adapter folder (what ``PPOWTrainer`` writes when it trains a LoRA) holds the policy, cost model and
   ``custom_generate`` files, but HF loads an adapter through its base model's folder, so the hook and the
@@ -92,11 +92,11 @@ import json
 import shutil
 from pathlib import Path
 
-from . import drafter as drafter_module
+from .. import drafter as drafter_module
 from .cost import CostModel
 from .custom_generate import generate as _custom_generate_module
-from .drafting import HUB_KWARGS, detect_family, family_of
-from .utils import PEFT_ASSISTANT_MESSAGE, _looks_like_repo_id, is_peft_model, load_json
+from ..drafting import HUB_KWARGS, detect_family, family_of
+from ..utils import PEFT_ASSISTANT_MESSAGE, _looks_like_repo_id, is_peft_model, load_json
 from .windowing import (  # noqa: F401  (attach_window_policy, policy_dict and configure_generation_config are public here too)
     GENERATION_CONFIG_KEY,
     WINDOW_POLICY_FILE,
@@ -109,7 +109,7 @@ from .windowing import (  # noqa: F401  (attach_window_policy, policy_dict and c
 
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 HOOK_SOURCE = Path(_custom_generate_module.__file__)
-"""``ppow_trl/custom_generate/generate.py``: the file ``write_assistant_files`` copies into drafter folders."""
+"""``ppow_trl/serving/custom_generate/generate.py``: the file ``write_assistant_files`` copies into drafter folders."""
 
 
 
@@ -155,7 +155,7 @@ def write_assistant_files(folder, policy: AdaptiveWindowPolicy, cost_model: Cost
     """Write everything ``save_assistant`` writes except the weights, config and tokenizer; returns the folder.
 
     ``ppow_window_policy.json``, ``ppow_cost_model.json`` (if ``cost_model``), ``custom_generate/generate.py``
-    (a byte-identical copy of ``ppow_trl/custom_generate/generate.py``) and, when the folder holds a model
+    (a byte-identical copy of ``ppow_trl/serving/custom_generate/generate.py``) and, when the folder holds a model
     (``generation_config.json`` or ``config.json``), its ``generation_config.json`` updated by
     ``configure_generation_config``. An adapter-only folder (PEFT) gets no generation config: it is not read
     from there (see the module docstring; merge first). ``hook=False`` (a family with a native route of its own,
@@ -194,13 +194,13 @@ def _write_modeling_file(folder: Path) -> None:
         return
     lines = Path(drafter_module.__file__).read_text().splitlines(keepends=True)
     kept = [
-        f"# ({line.strip()} removed by ppow_trl.assisted: remote code must not re-register the model type)\n"
+        f"# ({line.strip()} removed by ppow_trl.serving.assisted: remote code must not re-register the model type)\n"
         if line.startswith(_REGISTRATION_PREFIXES)
         else line
         for line in lines
     ]
     header = (
-        "# Copied from ppow_trl/drafter.py by ppow_trl.assisted.save_assistant, so that\n"
+        "# Copied from ppow_trl/drafter.py by ppow_trl.serving.assisted.save_assistant, so that\n"
         "# AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) works without ppow_trl.\n"
         "# Where ppow_trl is imported first, transformers uses ppow_trl's own classes instead.\n"
     )
@@ -267,7 +267,7 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, target=No
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"No {WINDOW_POLICY_FILE} in {folder_or_repo}: this drafter was not saved by "
-            "ppow_trl.assisted.save_assistant (or PPOWTrainer), so it carries no window policy. Save it with "
+            "ppow_trl.serving.assisted.save_assistant (or PPOWTrainer), so it carries no window policy. Save it with "
             "save_assistant(drafter, folder, policy=AdaptiveWindowPolicy(max_window=K, threshold=h))."
         ) from error
     source = str(folder) if local else str(folder_or_repo)

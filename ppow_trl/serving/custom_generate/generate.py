@@ -1,8 +1,8 @@
 """PPOW adaptive windows: the window rule, and its hook for Hugging Face assisted generation.
 
-This file is the one definition of PPOW's window-length rule. ``ppow_trl.windowing`` imports it,
-``ppow_trl.assisted.attach_window_policy`` (and so ``load_assistant``) installs its ``generate`` in memory, and
-``ppow_trl.assisted.save_assistant`` copies it verbatim into a drafter folder as ``custom_generate/generate.py``.
+This file is the one definition of PPOW's window-length rule. ``ppow_trl.serving.windowing`` imports it,
+``ppow_trl.serving.assisted.attach_window_policy`` (and so ``load_assistant``) installs its ``generate`` in memory, and
+``ppow_trl.serving.assisted.save_assistant`` copies it verbatim into a drafter folder as ``custom_generate/generate.py``.
 It imports only the standard library, torch and transformers (never ppow_trl): a folder loaded with
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` where ppow_trl is not installed still
 applies the same rule.
@@ -45,7 +45,7 @@ What running this file does (it is what ``trust_remote_code=True`` executes): im
 ``json``, ``os``, ``torch`` and transformers' stopping criteria, and defines the functions and classes below;
 nothing else happens at import. Calling the hook may read ``ppow_window_policy.json`` next to the weights (a
 local file), copies the generation config and calls the model's own ``generate``; for a guarded drafter (a
-``WindowBudget`` in its generation config, which ``ppow_trl.assisted.load_assistant`` installs: the guard needs
+``WindowBudget`` in its generation config, which ``ppow_trl.serving.assisted.load_assistant`` installs: the guard needs
 ppow_trl) it also runs one drafter forward over the ids decoded plainly during a pause. It never touches the network,
 writes no file and starts no process.
 """
@@ -267,7 +267,7 @@ def ppow_window_policy(model):
     if policy is None:
         raise ValueError(
             f"This drafter has no PPOW window policy: neither `generation_config.{PPOW_GENERATION_CONFIG_KEY}` nor "
-            f"{PPOW_WINDOW_POLICY_FILE} next to its weights. Save it with ppow_trl.assisted.save_assistant."
+            f"{PPOW_WINDOW_POLICY_FILE} next to its weights. Save it with ppow_trl.serving.assisted.save_assistant."
         )
     return {
         "max_window": int(policy["max_window"]),

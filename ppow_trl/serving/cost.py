@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .drafting import family_of
-from .features import context_features
-from .utils import crop_cache, load_json, save_json
+from ..drafting import family_of
+from ..features import context_features
+from ..utils import crop_cache, load_json, save_json
 
 COST_MODEL_FILE = "ppow_cost_model.json"
 
@@ -33,7 +33,7 @@ class CostModel:
         description (`str`): where the figures come from (machine, dtype, models); informational.
         drafter_per_round (`bool`): ``drafter_cost`` is one drafter forward per *round* (a block drafter,
             ``ppow_trl.dflash``, drafts its whole window in one forward), not per drafted token.
-        runtime (`str`): the runtime the forwards were timed on (``ppow_trl.runtime``: ``"eager"`` or
+        runtime (`str`): the runtime the forwards were timed on (``ppow_trl.serving.runtime``: ``"eager"`` or
             ``"compiled"``); a rule chosen on one runtime's costs is served on that runtime.
         plain_overhead (`float`): ``o_0``, the serving loop's host work per plain decoding step (argmax, cache
             bookkeeping, the runtime's wrapper) beyond the forward, over ``t_t``; 0: not measured.
@@ -41,7 +41,7 @@ class CostModel:
             rollback) beyond the forwards, over ``t_t``; 0: not measured.
         drafted_token_overhead (`float`): ``o_d``, the loop's host work per drafted token (its argmax and
             confidence) beyond the drafter's forward, over ``t_t``; 0: not measured.
-            The three are measured by running the loop (``ppow_trl.runtime.measure_loop_overhead``): on the compiled
+            The three are measured by running the loop (``ppow_trl.serving.runtime.measure_loop_overhead``): on the compiled
             runtime a round's host work is a few percent of a step, the size of the margins a rule is chosen on.
     """
 

@@ -21,7 +21,7 @@ def check_assistant_call(generation_config, input_ids, family: str) -> None:
     """Refuse a call that is not HF's assistant call (batch 1, ``is_assistant``), saying how to use the drafter."""
     if generation_config is None or not getattr(generation_config, "is_assistant", False):
         raise TypeError(f"A {family} drafter only drafts for its target: call target.generate(..., assistant_model="
-                        "drafter) after ppow_trl.assisted.load_assistant(folder, target=target) (or the family's "
+                        "drafter) after ppow_trl.serving.assisted.load_assistant(folder, target=target) (or the family's "
                         "attach).")
     if input_ids.shape[0] != 1:
         raise ValueError(f"{family} assisted generation runs batch size 1.")
