@@ -11,7 +11,7 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
 - ``compiled_plain[bf16]`` (``--bf16-plain``): the same with the target's weights in bf16;
 - ``compiled_speculative[<drafter>]``: the loop with a drafter and the rule ``calibrate_for_serving`` chooses on the
   compiled runtime's measured costs (the main job's drafter, prompt lookup, and the hybrid of the two:
-  ``ppow_trl.hybrid``, the looked-up token where the text repeats, the drafter's elsewhere); when that rule is K = 0
+  ``ppow_trl.drafters.hybrid``, the looked-up token where the text repeats, the drafter's elsewhere); when that rule is K = 0
   the best rule that speculates is also timed, as ``compiled_speculative[<drafter>:best_speculative]``.
 
 Every row: median ms/token [95% CI], tau, speedups against ``compiled_plain[fp32]`` and ``hf_generate_eager``
@@ -54,7 +54,7 @@ def child(args) -> dict:
     from ppow_trl.serving.compiled import CompileSettings, compile_cache_dir
     from ppow_trl.data import build_target_responses, encode_prompt, load_prompts, stop_token_ids
     from ppow_trl.drafting import get_family, load_drafter
-    from ppow_trl.hybrid import hybrid_drafter
+    from ppow_trl.drafters.hybrid import hybrid_drafter
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path
     from ppow_trl.serving.runtime import serving_runtime

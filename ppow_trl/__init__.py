@@ -18,12 +18,12 @@ from .drafter import PPOWDrafterConfig, PPOWDrafterForCausalLM
 # Drafter families (standalone, eagle3, dflash, prompt_lookup) and their registry.
 from .drafting import DrafterFamily, family_of, get_family, load_drafter, register_family
 # Registers the `ppow_eagle3` model type too (EAGLE-3 heads reading the target's hidden states).
-from .eagle3 import Eagle3DrafterConfig, Eagle3DrafterForCausalLM
+from .drafters.eagle3 import Eagle3DrafterConfig, Eagle3DrafterForCausalLM
 from .serving.generation import exact_greedy_tau, speculative_generate
 # Serving: the served rule, the generate(assistant_model=...) hook, the runtime, the hybrid with prompt lookup.
 from .serving.assisted import load_assistant, save_assistant
 from .serving.calibration import held_out_contexts
-from .hybrid import hybrid_drafter
+from .drafters.hybrid import hybrid_drafter
 from .serving.runtime import serving_runtime
 from .serving.rule import calibrate_for_serving, describe_serving_rule
 # llama.cpp's layout for standalone Llama drafters (CPU serving in llama.cpp; ppow_trl.llama_cpp_draft).

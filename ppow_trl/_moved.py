@@ -18,6 +18,7 @@ import sys
 import warnings
 
 MOVED: dict[str, str] = {
+    "ppow_trl._family_io": "ppow_trl.drafters._family_io",
     "ppow_trl.assistant_loop": "ppow_trl.serving.assistant_loop",
     "ppow_trl.assisted": "ppow_trl.serving.assisted",
     "ppow_trl.calibration": "ppow_trl.serving.calibration",
@@ -25,10 +26,15 @@ MOVED: dict[str, str] = {
     "ppow_trl.cost": "ppow_trl.serving.cost",
     "ppow_trl.credit": "ppow_trl.serving.credit",
     "ppow_trl.custom_generate": "ppow_trl.serving.custom_generate",
+    "ppow_trl.dflash": "ppow_trl.drafters.dflash",
+    "ppow_trl.eagle3": "ppow_trl.drafters.eagle3",
     "ppow_trl.generation": "ppow_trl.serving.generation",
+    "ppow_trl.hybrid": "ppow_trl.drafters.hybrid",
+    "ppow_trl.prompt_lookup": "ppow_trl.drafters.prompt_lookup",
     "ppow_trl.rewards": "ppow_trl.serving.rewards",
     "ppow_trl.rollout": "ppow_trl.serving.rollout",
     "ppow_trl.runtime": "ppow_trl.serving.runtime",
+    "ppow_trl.standalone": "ppow_trl.drafters.standalone",
     "ppow_trl.verification": "ppow_trl.serving.verification",
     "ppow_trl.windowing": "ppow_trl.serving.windowing",
 }

@@ -7,11 +7,11 @@ KD rows and the context scoring), what its cost model charges (per drafted token
 ``target.generate(assistant_model=...)``. Callers ask ``family_of(drafter)`` or ``get_family(name)`` and never
 branch on a family's name: a new family is one module plus one line in ``FAMILIES``.
 
-Families (``FAMILIES``): ``standalone`` (any causal LM over the target's vocabulary, ``ppow_trl.standalone``),
-``eagle3`` (heads reading the target's hidden states, ``ppow_trl.eagle3``), ``dflash`` (block drafters,
-``ppow_trl.dflash``), ``prompt_lookup`` (n-gram drafting from the text itself, ``ppow_trl.prompt_lookup``),
-``hybrid`` (prompt lookup where the text repeats, a trained drafter elsewhere, ``ppow_trl.hybrid``: the one family
-built from others, a layer above them).
+Families (``FAMILIES``, in ``ppow_trl.drafters``): ``standalone`` (any causal LM over the target's vocabulary,
+``ppow_trl.drafters.standalone``), ``eagle3`` (heads reading the target's hidden states, ``ppow_trl.drafters.eagle3``),
+``dflash`` (block drafters, ``ppow_trl.drafters.dflash``), ``prompt_lookup`` (n-gram drafting from the text itself,
+``ppow_trl.drafters.prompt_lookup``), ``hybrid`` (prompt lookup where the text repeats, a trained drafter elsewhere,
+``ppow_trl.drafters.hybrid``: the one family built from others, a layer above them).
 The registry names each by ``"module:Class"`` and imports it on first use, like a package entry point, so this
 bottom-layer module imports no family and no family imports another (the import-linter contracts in
 ``setup.cfg`` check both).
@@ -45,11 +45,11 @@ import torch
 from .utils import unwrap_model
 
 FAMILIES: dict[str, str] = {
-    "eagle3": "ppow_trl.eagle3.family:Eagle3Family",
-    "dflash": "ppow_trl.dflash.family:DFlashFamily",
-    "prompt_lookup": "ppow_trl.prompt_lookup:PromptLookupFamily",
-    "hybrid": "ppow_trl.hybrid:HybridFamily",  # prompt lookup + a trained drafter (composes two families)
-    "standalone": "ppow_trl.standalone:StandaloneFamily",  # last: any causal LM, the fallback of family_of
+    "eagle3": "ppow_trl.drafters.eagle3.family:Eagle3Family",
+    "dflash": "ppow_trl.drafters.dflash.family:DFlashFamily",
+    "prompt_lookup": "ppow_trl.drafters.prompt_lookup:PromptLookupFamily",
+    "hybrid": "ppow_trl.drafters.hybrid:HybridFamily",  # prompt lookup + a trained drafter (composes two families)
+    "standalone": "ppow_trl.drafters.standalone:StandaloneFamily",  # last: any causal LM, the fallback of family_of
 }
 """Registered families, ``name -> "module:Class"``, in the order ``family_of`` asks them (``register_family``)."""
 

@@ -86,7 +86,7 @@ class KDConfig(TrainingArguments):
             Loss weight ``ttt_decay ** k`` of step ``k`` (SpecForge's value); the loss is
             ``sum_k w_k * mean KL_k / sum_k w_k``.
         block_anchors (`int`, *optional*, defaults to `32`):
-            DFlash block drafters only (``ppow_trl.dflash``): the anchored-block objective. Per sequence, up to this
+            DFlash block drafters only (``ppow_trl.drafters.dflash``): the anchored-block objective. Per sequence, up to this
             many anchors ``a`` are drawn without replacement among the positions predicting a response token; the
             block anchored at ``a`` reads the target's features of positions ``< a`` and itself bidirectionally, and
             its slot ``k`` (``1 .. block_size - 1``) is scored against the teacher at position ``a + k - 1`` (the
@@ -472,7 +472,7 @@ class KDTrainer(Trainer):
         peft_config: a PEFT config (e.g. `LoraConfig`): the drafter is wrapped with `get_peft_model` and only the
             adapter is trained and saved.
         target: the frozen target, required for drafters that read its hidden states
-            (`ppow_trl.eagle3.Eagle3DrafterForCausalLM`): its features are computed on the fly for each batch
+            (`ppow_trl.drafters.eagle3.Eagle3DrafterForCausalLM`): its features are computed on the fly for each batch
             (one no-grad teacher-forced forward) and the drafter is trained with EAGLE-3's training-time test
             (`KDConfig.ttt_steps`). Standalone drafters ignore it.
 

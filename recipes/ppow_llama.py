@@ -35,7 +35,7 @@ from ppow_trl.serving.calibration import held_out_contexts
 from ppow_trl.data import (build_target_responses, compute_target_features, compute_target_topk, encode_prompt,
                            load_prompts, stop_token_ids)
 from ppow_trl.drafting import get_family
-from ppow_trl.hybrid import hybrid_drafter
+from ppow_trl.drafters.hybrid import hybrid_drafter
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target
 from ppow_trl.model_card import PROTOCOL
 from ppow_trl.serving.runtime import serving_runtime
@@ -61,8 +61,8 @@ class PPOWScriptArguments:
             Layers kept when the drafter is the truncated target.
         drafter_type (`str`, *optional*, defaults to `"standalone"`):
             `standalone` (a causal LM: the truncated target or `drafter_model`), `eagle3` (an EAGLE-3 head reading
-            the target's hidden states, `ppow_trl.eagle3`: KD with training-time test, PPOW through the same trainer)
-            or `dflash` (a DFlash block drafter, `ppow_trl.dflash`: transformers' `MuseGlimmerAssistantModel`, KD on
+            the target's hidden states, `ppow_trl.drafters.eagle3`: KD with training-time test, PPOW through the same trainer)
+            or `dflash` (a DFlash block drafter, `ppow_trl.drafters.dflash`: transformers' `MuseGlimmerAssistantModel`, KD on
             anchored blocks, PPOW; served by `target.generate(speculation_type="dflash")`).
         dflash_checkpoint (`str`, *optional*):
             `dflash` only: start from this drafter (transformers' layout, or z-lab's / speculators') instead of a fresh
@@ -114,7 +114,7 @@ class PPOWScriptArguments:
             Prompts evaluated (0 skips the evaluation), each for PPOWConfig's `eval_max_new_tokens` tokens (the
             same length as the trainer's `eval_tau`).
         serve_with_lookup (`bool`, *optional*, defaults to `True`):
-            Also serve the trained drafter with prompt lookup (`ppow_trl.hybrid`: the looked-up token where the text
+            Also serve the trained drafter with prompt lookup (`ppow_trl.drafters.hybrid`: the looked-up token where the text
             repeats, the drafter's elsewhere) with its own rule calibrated on the serving runtime; saved in
             `<output_dir>/hybrid` and evaluated side by side. Drafters that read the target's hidden states are
             served on their own.
@@ -160,7 +160,7 @@ class PPOWScriptArguments:
     eval_prompts: str = field(default="mtbench", metadata={"help": "mtbench | sharegpt-test | path.jsonl"})
     num_eval_prompts: int = field(default=4, metadata={"help": "Evaluation prompts (0 = no evaluation)."})
     serve_with_lookup: bool = field(default=True, metadata={
-        "help": "Also serve the drafter with prompt lookup (ppow_trl.hybrid), saved in <output_dir>/hybrid."})
+        "help": "Also serve the drafter with prompt lookup (ppow_trl.drafters.hybrid), saved in <output_dir>/hybrid."})
     merge_adapter: bool = field(default=False, metadata={"help": "Also save the merged standalone drafter."})
     cache_dir: str | None = field(default=None, metadata={"help": "Cache of regenerated data."})
 
@@ -397,7 +397,7 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
 
 
 def serve_with_lookup(trainer, drafter, serving, calibration_data, training_args) -> dict | None:
-    """The trained ``drafter`` with prompt lookup (``ppow_trl.hybrid``) and its own served rule, calibrated like the
+    """The trained ``drafter`` with prompt lookup (``ppow_trl.drafters.hybrid``) and its own served rule, calibrated like the
     drafter's on the same runtime (its compiled inner drafter is the one already warm). Main process; ``None`` for
     drafters a hybrid cannot wrap (they read the target's hidden states)."""
     try:

@@ -13,8 +13,8 @@ import pytest
 from ppow_trl.drafting import DraftingSession, DrafterFamily, family_names, get_family
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILY_PACKAGES = ("ppow_trl/standalone.py", "ppow_trl/eagle3/", "ppow_trl/dflash/", "ppow_trl/prompt_lookup.py",
-                   "ppow_trl/drafting.py")
+FAMILY_PACKAGES = ("ppow_trl/drafters/standalone.py", "ppow_trl/drafters/eagle3/", "ppow_trl/drafters/dflash/",
+                   "ppow_trl/drafters/prompt_lookup.py", "ppow_trl/drafting.py")
 
 
 def _lint_imports(config: Path) -> subprocess.CompletedProcess:
@@ -38,7 +38,7 @@ def test_the_contracts_catch_an_import_that_runs_back_up(tmp_path):
     shutil.copytree(ROOT / "ppow_trl", package, ignore=shutil.ignore_patterns("__pycache__"))
     drafting = package / "drafting.py"
     drafting.write_text(drafting.read_text().replace("from .utils import unwrap_model",
-                                                     "from .utils import unwrap_model\nfrom .eagle3 import family"))
+                                                     "from .utils import unwrap_model\nfrom .drafters.eagle3 import family"))
     shutil.copy(ROOT / "setup.cfg", tmp_path / "setup.cfg")
     command = shutil.which("lint-imports")
     if command is None:
@@ -46,7 +46,7 @@ def test_the_contracts_catch_an_import_that_runs_back_up(tmp_path):
     result = subprocess.run([command, "--config", "setup.cfg", "--no-cache"], cwd=tmp_path, capture_output=True,
                             text=True, env={"PYTHONPATH": str(tmp_path), "PATH": str(Path(sys.executable).parent)})
     assert result.returncode != 0
-    assert "ppow_trl.drafting -> ppow_trl.eagle3.family" in result.stdout
+    assert "ppow_trl.drafting -> ppow_trl.drafters.eagle3.family" in result.stdout
 
 
 def _family_branches() -> list[str]:

@@ -1,4 +1,4 @@
-"""DFlash block drafters (ppow_trl.dflash): transformers' own MuseGlimmerAssistantModel as the drafter, the anchored
+"""DFlash block drafters (ppow_trl.drafters.dflash): transformers' own MuseGlimmerAssistantModel as the drafter, the anchored
 block forward equal to the cached one, KD on anchored blocks, losslessness in our loop and in transformers' native
 ``speculation_type="dflash"`` route (with our adaptive window), exact greedy tau, rollouts and PPOW log-probs, export."""
 
@@ -12,8 +12,8 @@ from transformers import AutoModel, MuseGlimmerAssistantModel, set_seed
 from transformers.cache_utils import DFlashCache
 
 from ppow_trl.data import compute_target_topk
-from ppow_trl.dflash import anchored_block_hidden, dflash_from_target, feature_layers
-from ppow_trl.eagle3 import target_features
+from ppow_trl.drafters.dflash import anchored_block_hidden, dflash_from_target, feature_layers
+from ppow_trl.drafters.eagle3 import target_features
 from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
@@ -176,7 +176,7 @@ def test_native_route_sampling_matches_target_distribution():
     """Chi-square through target.generate(assistant_model=drafter, speculation_type="dflash", do_sample=True) with
     the adaptive window and an untrained (often rejected) drafter: the first two new tokens follow the target's
     own law (bigram target, vocabulary 4)."""
-    from ppow_trl.dflash.assisted import attach_block_window
+    from ppow_trl.drafters.dflash.assisted import attach_block_window
 
     vocab, prompt = 4, torch.tensor([[1, 2, 3]])
     g = torch.Generator().manual_seed(0)
@@ -206,7 +206,7 @@ def test_export_round_trips_the_block_logits(trained, tmp_path, layout):
     """export_dflash -> import_dflash gives the same block logits; the files have the engines' names and ids."""
     import json
 
-    from ppow_trl.dflash import detect_dflash_format, export_dflash, import_dflash
+    from ppow_trl.drafters.dflash import detect_dflash_format, export_dflash, import_dflash
     from safetensors.torch import load_file
 
     target, drafter = trained["target"], trained["drafter"]
@@ -243,7 +243,7 @@ def test_offline_smollm2_routes_are_lossless(tmp_path):
     from transformers import AutoTokenizer
 
     from ppow_trl.serving.assisted import load_assistant, save_assistant
-    from ppow_trl.dflash import choose_mask_token_id
+    from ppow_trl.drafters.dflash import choose_mask_token_id
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path
 
@@ -297,7 +297,7 @@ def test_bench_takes_block_drafters(trained, tmp_path, capsys):
 def test_bad_inputs_get_errors_that_say_what_to_do(trained):
     """A mismatched target, a window longer than the block, a mask token outside the vocabulary and a tokenizer with
     no spare special token are refused with a message naming the fix."""
-    from ppow_trl.dflash import choose_mask_token_id, dflash_config_for
+    from ppow_trl.drafters.dflash import choose_mask_token_id, dflash_config_for
     from ppow_trl.drafting import drafting_session
 
     target, drafter = trained["target"], trained["drafter"]
@@ -311,7 +311,7 @@ def test_bad_inputs_get_errors_that_say_what_to_do(trained):
         dflash_config_for(target, mask_token_id=6, target_layer_ids=[4])
     with pytest.raises(ValueError, match="pass mask_token_id="):
         choose_mask_token_id(trained["tokenizer"])  # word-level, no added special tokens
-    from ppow_trl.dflash.assisted import attach_block_window
+    from ppow_trl.drafters.dflash.assisted import attach_block_window
 
     with pytest.raises(ValueError, match="block_size - 1"):
         attach_block_window(drafter, target, AdaptiveWindowPolicy(BLOCK))

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafters (ppow_trl.eagle3): the chain equals its training-time-test unroll, KD with TTT, losslessness in
+"""EAGLE-3 drafters (ppow_trl.drafters.eagle3): the chain equals its training-time-test unroll, KD with TTT, losslessness in
 our loop, exact greedy tau, rollouts and PPOW log-probs, save/load and the target check."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, se
 
 from ppow_trl.data import compute_target_topk
 from ppow_trl.data import compute_target_features
-from ppow_trl.eagle3 import Eagle3DrafterForCausalLM, context_features, target_features
+from ppow_trl.drafters.eagle3 import Eagle3DrafterForCausalLM, context_features, target_features
 from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.serving.rollout import draft_windows, target_window_probs
@@ -306,7 +306,7 @@ def test_specforge_checkpoint_imports_with_its_own_math(tmp_path):
                                             config, sequence[0, 1:], features[0, :-1])
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
 
-    from ppow_trl.eagle3 import detect_format, export_eagle3, import_eagle3
+    from ppow_trl.drafters.eagle3 import detect_format, export_eagle3, import_eagle3
     for layout in ("specforge", "speculators"):
         folder = export_eagle3(drafter, tmp_path / layout, format=layout, include_embeddings=layout == "speculators")
         assert detect_format(folder) == layout
@@ -413,7 +413,7 @@ def test_bench_takes_chain_drafters(trained, tmp_path, capsys):
 def test_hf_route_does_not_reuse_another_prompts_features(trained, tmp_path):
     """Two generate calls with different prompts of equal length through one attached assistant: each equals
     plain greedy (the second must not read the first one's hooked features)."""
-    from ppow_trl.eagle3 import attach_to_target
+    from ppow_trl.drafters.eagle3 import attach_to_target
 
     target, drafter = trained["target"], trained["drafter"]
     tap = attach_to_target(drafter, target, AdaptiveWindowPolicy(4, 0.0))
@@ -433,7 +433,7 @@ def test_hf_route_does_not_reuse_another_prompts_features(trained, tmp_path):
 def test_hf_route_sampling_matches_target_distribution():
     """Chi-square through target.generate(assistant_model=...): the q HF verifies with is the distribution the
     head sampled from, so the first two new tokens follow the target's own law (bigram target, vocab 4)."""
-    from ppow_trl.eagle3 import attach_to_target
+    from ppow_trl.drafters.eagle3 import attach_to_target
 
     vocab, prompt = 4, torch.tensor([[1, 2]])
     g = torch.Generator().manual_seed(0)
@@ -464,7 +464,7 @@ def test_hf_route_applies_the_guard_as_our_loop_does(trained):
     import copy
 
     from ppow_trl.serving.custom_generate.generate import guard_of
-    from ppow_trl.eagle3 import attach_to_target
+    from ppow_trl.drafters.eagle3 import attach_to_target
 
     target, drafter = trained["target"], trained["drafter"]
     policy = AdaptiveWindowPolicy(3, 0.0, guard={"break_even_tokens": 2.5, "window": 2, "probe_every": 3})

@@ -1,4 +1,4 @@
-"""The hybrid drafter (ppow_trl.hybrid): the lookup's token where the text repeats, the trained drafter's elsewhere,
+"""The hybrid drafter (ppow_trl.drafters.hybrid): the lookup's token where the text repeats, the trained drafter's elsewhere,
 checked position by position against both parts; lossless, with the trained drafter run only where the lookup found
 nothing; clear refusals. The family contract (save/load, the HF route, batched rollouts, exact tau, the cost unit)
 runs in test_families.py."""
@@ -11,8 +11,8 @@ from conftest import make_target_and_drafters, make_tiny_llama
 
 from ppow_trl.drafting import drafting_session, family_of, get_family
 from ppow_trl.serving.generation import greedy_continuation, speculative_generate
-from ppow_trl.hybrid import HybridDrafter, hybrid_drafter
-from ppow_trl.prompt_lookup import lookup_next_token
+from ppow_trl.drafters.hybrid import HybridDrafter, hybrid_drafter
+from ppow_trl.drafters.prompt_lookup import lookup_next_token
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 

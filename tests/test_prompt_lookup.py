@@ -1,4 +1,4 @@
-"""Prompt lookup as a drafter family (ppow_trl.prompt_lookup): the lookup against brute force, its distribution and
+"""Prompt lookup as a drafter family (ppow_trl.drafters.prompt_lookup): the lookup against brute force, its distribution and
 window rule, sampling that keeps the target's law, and the benchmark and study taking it without a caller's change."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from conftest import first_two_tokens_test, make_bigram_llama, make_tiny_llama
 
 from ppow_trl.drafting import get_family
 from ppow_trl.serving.generation import speculative_generate
-from ppow_trl.prompt_lookup import lookup_next_token
+from ppow_trl.drafters.prompt_lookup import lookup_next_token
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 

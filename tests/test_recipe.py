@@ -132,7 +132,7 @@ def test_eagle3_pipeline_runs_on_tiny_models(tmp_path):
     assert trainer.state.global_step == 2 and (out / "README.md").exists()
     assert "EAGLE-3 head" in (out / "README.md").read_text()
     from ppow_trl.serving.assisted import load_assistant
-    from ppow_trl.eagle3 import import_eagle3, target_features
+    from ppow_trl.drafters.eagle3 import import_eagle3, target_features
 
     target = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5)
     assistant = load_assistant(out / "merged", target=target)
@@ -171,7 +171,7 @@ def test_dflash_pipeline_runs_on_tiny_models(tmp_path):
     from transformers import AutoModel
 
     from ppow_trl.serving.assisted import load_assistant
-    from ppow_trl.dflash import anchored_block_hidden, import_dflash
+    from ppow_trl.drafters.dflash import anchored_block_hidden, import_dflash
 
     target = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5)
     assistant = load_assistant(out / "merged", target=target)
@@ -181,7 +181,7 @@ def test_dflash_pipeline_runs_on_tiny_models(tmp_path):
                                        max_new_tokens=8), plain)
     exported = import_dflash(out / "dflash-zlab", target=target)
     stock = AutoModel.from_pretrained(out / "merged")
-    from ppow_trl.eagle3 import target_features
+    from ppow_trl.drafters.eagle3 import target_features
 
     features = target_features(target, ids, layer_ids=[i + 1 for i in stock.config.target_layer_ids])
     anchors = torch.tensor([[3, 5]])

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from ppow_trl.dflash import dflash_from_target
-from ppow_trl.eagle3 import Eagle3DrafterForCausalLM
+from ppow_trl.drafters.dflash import dflash_from_target
+from ppow_trl.drafters.eagle3 import Eagle3DrafterForCausalLM
 
 LAYERS = [0, 1, 3]
 
@@ -86,7 +86,7 @@ def test_import_does_not_print_bitsandbytes_missing_kernels_warning():
 
 def test_dflash_loss_refuses_a_window_token_outside_the_shared_vocabulary():
     """The block loss used to clamp such labels silently (scoring another token); it now raises like every family."""
-    from ppow_trl.dflash import dflash_from_target
+    from ppow_trl.drafters.dflash import dflash_from_target
     from ppow_trl.drafting import family_of
     from ppow_trl.features import context_features
     from ppow_trl.window_logprobs import window_logprobs
@@ -113,7 +113,7 @@ def test_dflash_drafters_are_recognised_from_hub_ids(tmp_path, monkeypatch):
     """load_assistant's family detection reads a Hub repo's config.json (it used to look at local folders only)."""
     import huggingface_hub
 
-    from ppow_trl.dflash import dflash_from_target
+    from ppow_trl.drafters.dflash import dflash_from_target
     from ppow_trl.drafting import detect_family, get_family
 
     target = make_tiny_llama(num_layers=4, seed=0)

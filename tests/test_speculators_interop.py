@@ -46,10 +46,10 @@ from transformers import (
     Qwen3Config,
 )
 
-from ppow_trl.dflash import dflash_from_target, export_dflash, feature_layers
-from ppow_trl.dflash.modeling import anchored_block_hidden
+from ppow_trl.drafters.dflash import dflash_from_target, export_dflash, feature_layers
+from ppow_trl.drafters.dflash.modeling import anchored_block_hidden
 from ppow_trl.drafting import get_family, load_drafter
-from ppow_trl.eagle3 import (
+from ppow_trl.drafters.eagle3 import (
     Eagle3DrafterForCausalLM,
     export_eagle3,
     import_eagle3,

@@ -21,7 +21,7 @@ Methods (K = the drafter policy's ``max_window``):
                  ROC curve only when scikit-learn is installed; ``settings.sklearn`` says whether it was).
   prompt_lookup  ``target.generate(prompt_lookup_num_tokens=K)`` (no drafter model).
   hook           our saved drafter through HF's ``assistant_model`` (``ppow_trl.serving.assisted``: our window rule).
-DFlash block drafters (``ppow_trl.dflash``) run ``hf_assisted`` as stock ``speculation_type="dflash"`` (the fixed
+DFlash block drafters (``ppow_trl.drafters.dflash``) run ``hf_assisted`` as stock ``speculation_type="dflash"`` (the fixed
 block of ``block_size - 1``) and ``hook`` as the same call with our adaptive window; one drafter forward per round.
   fast_fixed     ``ppow_trl.speculative_generate`` with a fixed window (threshold 0).
   fast_adaptive  ``ppow_trl.speculative_generate`` with the drafter's policy (its guard and K = 0 included).

@@ -246,10 +246,10 @@ def load_assistant(folder_or_repo, *, trust_remote_code: bool = False, target=No
       ``custom_generate/``) ppow_trl's is installed.
 
     Pass the result as ``target.generate(..., assistant_model=drafter)``. A drafter that reads the target's
-    hidden states (EAGLE-3, ``ppow_trl.eagle3``) needs ``target=``: hooks on the target hand it the features
-    (``ppow_trl.eagle3.attach_to_target``; no remote code on that route). A DFlash block drafter
-    (``ppow_trl.dflash``) needs ``target=`` too and is called with ``speculation_type="dflash"``; its window rule is
-    a hook on the drafter (``ppow_trl.dflash.assisted``).
+    hidden states (EAGLE-3, ``ppow_trl.drafters.eagle3``) needs ``target=``: hooks on the target hand it the features
+    (``ppow_trl.drafters.eagle3.attach_to_target``; no remote code on that route). A DFlash block drafter
+    (``ppow_trl.drafters.dflash``) needs ``target=`` too and is called with ``speculation_type="dflash"``; its window rule is
+    a hook on the drafter (``ppow_trl.drafters.dflash.assisted``).
     """
 
     hub_kwargs = {name: from_pretrained_kwargs[name] for name in HUB_KWARGS if name in from_pretrained_kwargs}

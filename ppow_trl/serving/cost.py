@@ -32,7 +32,7 @@ class CostModel:
             Lengths past the list are extrapolated linearly from its last two entries.
         description (`str`): where the figures come from (machine, dtype, models); informational.
         drafter_per_round (`bool`): ``drafter_cost`` is one drafter forward per *round* (a block drafter,
-            ``ppow_trl.dflash``, drafts its whole window in one forward), not per drafted token.
+            ``ppow_trl.drafters.dflash``, drafts its whole window in one forward), not per drafted token.
         runtime (`str`): the runtime the forwards were timed on (``ppow_trl.serving.runtime``: ``"eager"`` or
             ``"compiled"``); a rule chosen on one runtime's costs is served on that runtime.
         plain_overhead (`float`): ``o_0``, the serving loop's host work per plain decoding step (argmax, cache

@@ -31,12 +31,12 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 
 from ._family_io import local_folder, read_config
-from .serving.assistant_loop import check_assistant_call, draft_window
-from .drafting import HUB_KWARGS, DrafterFamily, family_of, get_family, load_drafter
+from ..serving.assistant_loop import check_assistant_call, draft_window
+from ..drafting import HUB_KWARGS, DrafterFamily, family_of, get_family, load_drafter
 from .prompt_lookup import PromptLookupConfig, PromptLookupDrafter, PromptLookupSession, lookup_next_token
-from .models import logits_width
-from .utils import is_peft_model, unwrap_model
-from .serving.windowing import configure_generation_config
+from ..models import logits_width
+from ..utils import is_peft_model, unwrap_model
+from ..serving.windowing import configure_generation_config
 
 INNER_FOLDER = "drafter"
 """The subfolder of a saved hybrid holding its trained drafter."""

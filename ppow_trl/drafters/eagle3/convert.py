@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..models import resolve_verifier_name
+from ...models import resolve_verifier_name
 from .configuration_eagle3 import Eagle3DrafterConfig
 from .modeling_eagle3 import Eagle3DrafterForCausalLM
 

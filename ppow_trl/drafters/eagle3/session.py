@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..batching import left_pad, positions_from_mask
-from ..utils import unwrap_model
+from ...batching import left_pad, positions_from_mask
+from ...utils import unwrap_model
 
 
 def context_pairs(contexts: list[torch.Tensor], features: list[torch.Tensor], pad_id: int, device):

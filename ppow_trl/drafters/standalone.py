@@ -15,14 +15,14 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ._family_io import read_config
-from .batching import left_pad, positions_from_mask, prefill_contexts, shift_rows
-from .drafter import ReducedVocabHeadMixin
-from .drafting import HUB_KWARGS, DrafterFamily
-from .features import forward_at, target_forward
-from .gguf_export import export_gguf, gguf_files, load_gguf_drafter
-from .models import make_drafter
-from .utils import PEFT_ASSISTANT_MESSAGE, crop_cache, unwrap_model
-from .serving.windowing import attach_window_policy, configure_generation_config
+from ..batching import left_pad, positions_from_mask, prefill_contexts, shift_rows
+from ..drafter import ReducedVocabHeadMixin
+from ..drafting import HUB_KWARGS, DrafterFamily
+from ..features import forward_at, target_forward
+from ..gguf_export import export_gguf, gguf_files, load_gguf_drafter
+from ..models import make_drafter
+from ..utils import PEFT_ASSISTANT_MESSAGE, crop_cache, unwrap_model
+from ..serving.windowing import attach_window_policy, configure_generation_config
 
 
 class StandaloneSession:

@@ -2,7 +2,7 @@
 through one Llama-shaped decoder layer, a norm and a (reduced-vocabulary) head.
 
 The architecture is SpecForge's ``LlamaForCausalLMEagle3`` (what vLLM ``method: eagle3`` and SGLang load), so a
-checkpoint converts to and from that layout by renaming keys (``ppow_trl.eagle3.convert``). Pair ``j`` of a
+checkpoint converts to and from that layout by renaming keys (``ppow_trl.drafters.eagle3.convert``). Pair ``j`` of a
 sequence ``s_0 s_1 ...`` is ``(h_j, s_{j+1})``: the target's features at ``s_j`` (they predict ``s_{j+1}``) and the
 embedding of ``s_{j+1}``; its output predicts ``s_{j+2}``. Layer 0 (SpecForge's ``midlayer``)::
 
@@ -37,7 +37,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from ..drafter import ReducedVocabHeadMixin, _as_sorted_unique_ids
+from ...drafter import ReducedVocabHeadMixin, _as_sorted_unique_ids
 from .configuration_eagle3 import Eagle3DrafterConfig, default_target_layer_ids
 
 
@@ -301,7 +301,7 @@ class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel, Generatio
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target=None, **kwargs):
         """``PreTrainedModel.from_pretrained`` of a folder saved by ``save_pretrained``, checked against ``target``
         when given. SpecForge's and speculators' layouts are imported by the family
-        (``ppow_trl.drafting.load_drafter`` / ``get_family("eagle3").load``, ``ppow_trl.eagle3.import_eagle3``)."""
+        (``ppow_trl.drafting.load_drafter`` / ``get_family("eagle3").load``, ``ppow_trl.drafters.eagle3.import_eagle3``)."""
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model.embed_tokens.weight.requires_grad_(False)  # the target's embedding stays frozen after loading too
         if target is not None:
@@ -334,7 +334,7 @@ class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel, Generatio
                 raise ValueError(
                     f"target_hidden_states has {target_hidden_states.shape[-1]} features; this drafter reads "
                     f"{self.config.feature_size} ({len(self.config.target_layer_ids)} layers x "
-                    f"{self.config.target_hidden_size}). Capture them with ppow_trl.eagle3.target_features.")
+                    f"{self.config.target_hidden_size}). Capture them with ppow_trl.drafters.eagle3.target_features.")
             return self.fc(target_hidden_states.to(self.fc.weight.dtype))
         return hidden_states
 

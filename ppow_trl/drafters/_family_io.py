@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .utils import load_json
+from ..utils import load_json
 
 
 def read_config(folder_or_repo, **hub_kwargs) -> dict | None:

@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
-from ..models import resolve_verifier_name
+from ...models import resolve_verifier_name
 
 FORMATS = ("zlab", "speculators")
 _RENAMES = (("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))

@@ -11,7 +11,7 @@ by the context, so a prefix of the block is a valid speculative-sampling proposa
 ``anchored_block_hidden`` is the one uncached forward over many blocks at once (each with its own anchor and
 context prefix, through a block mask): KD's anchored-block objective, teacher-forced windows (exact greedy tau),
 batched rollouts and PPOW's loss all call it. Generation runs the cached form (``DFlashCache``, one block per
-round) in ``ppow_trl.dflash.session.BlockSession``, the same calls transformers' ``DFlashTokenCandidateGenerator`` makes.
+round) in ``ppow_trl.drafters.dflash.session.BlockSession``, the same calls transformers' ``DFlashTokenCandidateGenerator`` makes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from transformers import MuseGlimmerAssistantModel, PreTrainedModel
 
-from ..utils import unwrap_model
+from ...utils import unwrap_model
 from .configuration import dflash_config_for, hidden_state_indices
 
 
@@ -72,7 +72,7 @@ def check_target(drafter, target: PreTrainedModel) -> None:
     if wrong:
         raise ValueError(f"This DFlash drafter was built for {expected.get('name_or_path') or 'another target'} and "
                          f"cannot read this target ({'; '.join(wrong)}). Use the target it was trained for, or build "
-                         "one for this target with ppow_trl.dflash.dflash_from_target(target, mask_token_id=...).")
+                         "one for this target with ppow_trl.drafters.dflash.dflash_from_target(target, mask_token_id=...).")
 
 
 def block_mask(context_valid: torch.Tensor, context_positions: torch.Tensor, anchor_positions: torch.Tensor,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from .._family_io import local_folder, read_config
-from ..batching import positions_from_mask
-from ..drafting import HUB_KWARGS, DrafterFamily
-from ..features import target_features
-from ..utils import unwrap_model
+from ...batching import positions_from_mask
+from ...drafting import HUB_KWARGS, DrafterFamily
+from ...features import target_features
+from ...utils import unwrap_model
 from .assisted import attach_to_target
 from .configuration_eagle3 import Eagle3DrafterConfig
 from .convert import export_eagle3, import_eagle3, layout_of_config

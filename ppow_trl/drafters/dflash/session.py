@@ -13,7 +13,7 @@ import contextlib
 import torch
 from transformers.cache_utils import DFlashCache
 
-from ..utils import crop_cache, unwrap_model
+from ...utils import crop_cache, unwrap_model
 from .configuration import hidden_state_indices
 from .modeling import anchored_block_hidden
 
@@ -47,7 +47,7 @@ class BlockSession:
         return self.head(hidden.to(self.head.weight.dtype))
 
     def _full_block(self):
-        """The native route's window hook (``ppow_trl.dflash.assisted``) paused: this loop applies its own rule."""
+        """The native route's window hook (``ppow_trl.drafters.dflash.assisted``) paused: this loop applies its own rule."""
         window = getattr(self.model, "_ppow_block_window", None)
         return window.paused() if window is not None else contextlib.nullcontext()
 

@@ -32,9 +32,9 @@ import contextlib
 import functools
 
 import torch
-from ..serving.assistant_loop import check_assistant_call, draft_window
-from ..features import target_features
-from ..serving.windowing import configure_generation_config
+from ...serving.assistant_loop import check_assistant_call, draft_window
+from ...features import target_features
+from ...serving.windowing import configure_generation_config
 from .session import ChainSession
 
 

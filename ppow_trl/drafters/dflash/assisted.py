@@ -21,7 +21,7 @@ Which calls get which window:
   speculation_type="dflash")``: the adaptive window saved with the drafter (``ppow_window_policy.json``).
 - ``AutoModel.from_pretrained(folder)`` without ppow_trl (stock transformers, no remote code), same call: the fixed
   block of ``block_size - 1`` tokens.
-- ``ppow_trl.speculative_generate`` and the benchmark: the policy they are given (``ppow_trl.dflash.session.BlockSession``
+- ``ppow_trl.speculative_generate`` and the benchmark: the policy they are given (``ppow_trl.drafters.dflash.session.BlockSession``
   pauses the hook, it applies the rule itself).
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..serving.windowing import AdaptiveWindowPolicy
+from ...serving.windowing import AdaptiveWindowPolicy
 from .modeling import check_target
 
 MODEL_TYPE = "muse_glimmer_assistant"

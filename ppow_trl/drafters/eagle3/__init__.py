@@ -4,7 +4,7 @@ from .configuration_eagle3 import Eagle3DrafterConfig, default_target_layer_ids
 from .assisted import TargetFeatureTap, attach_to_target, chain_generate
 from .convert import detect_format, export_eagle3, import_eagle3
 # The target features are family-neutral (ppow_trl.features); re-exported here where users found them first.
-from ..features import context_features, select_features, target_features, target_forward
+from ...features import context_features, select_features, target_features, target_forward
 from .modeling_eagle3 import ChainCache, Eagle3DrafterForCausalLM, Eagle3DrafterOutput
 from .session import ChainSession
 

@@ -5,7 +5,7 @@ The drafter class is transformers' ``MuseGlimmerAssistantModel`` (no remote code
 ``DFlashTokenCandidateGenerator``. Its config carries what that generator reads:
 
 - ``target_layer_ids``: *decoder layer* indices ``i`` whose outputs it reads, i.e. the target's
-  ``output_hidden_states[i + 1]`` (transformers' DFlash convention; ``ppow_trl.eagle3`` stores the hidden-state
+  ``output_hidden_states[i + 1]`` (transformers' DFlash convention; ``ppow_trl.drafters.eagle3`` stores the hidden-state
   indices themselves). ``default_target_layer_ids(L) = [1, L // 2 - 1, L - 4]``: the same tensors as the EAGLE-3
   family's default ``[2, L // 2, L - 3]``, so both families share one cached feature column (SmolLM2: layers
   1, 14, 26 = hidden states 2, 15, 27).

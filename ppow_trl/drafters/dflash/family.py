@@ -9,9 +9,9 @@ import torch
 from transformers import GenerationConfig
 
 from .._family_io import local_folder, read_config
-from ..drafting import HUB_KWARGS, DrafterFamily
-from ..features import target_features
-from ..utils import unwrap_model
+from ...drafting import HUB_KWARGS, DrafterFamily
+from ...features import target_features
+from ...utils import unwrap_model
 from .assisted import attach_block_window, load_block_drafter
 from .configuration import choose_mask_token_id, hidden_state_indices
 from .convert import export_dflash, import_dflash, layout_of_config
