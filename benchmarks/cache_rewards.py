@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from ppow_trl.cached_verification import cached_next_tokens, verify_windows_from_cache
-from ppow_trl.contexts import ContextPool
+from ppow_trl.training.cached_verification import cached_next_tokens, verify_windows_from_cache
+from ppow_trl.training.contexts import ContextPool
 from ppow_trl.serving.cost import CostModel
 from ppow_trl.serving.rollout import verify_windows, window_rewards
 from ppow_trl.study.arms import ARMS

@@ -43,7 +43,7 @@ from transformers import AutoTokenizer
 from ppow_trl.serving.calibration import held_out_contexts
 from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts, stop_token_ids
 from ppow_trl.serving.generation import speculative_generate
-from ppow_trl.kd_trainer import KDConfig, KDTrainer
+from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.models import build_draft_vocab, load_target, make_drafter
 from ppow_trl.offline import smollm2_path
 from ppow_trl.serving.rule import calibrate_for_serving

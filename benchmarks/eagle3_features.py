@@ -29,7 +29,7 @@ def main(argv=None) -> dict:
     from transformers import AutoTokenizer
 
     from ppow_trl.drafters.eagle3 import Eagle3DrafterForCausalLM
-    from ppow_trl.kd_trainer import DataCollatorForKD, KDConfig, KDTrainer
+    from ppow_trl.training.kd_trainer import DataCollatorForKD, KDConfig, KDTrainer
     from ppow_trl.models import build_draft_vocab, load_target
     from ppow_trl.offline import smollm2_path
     from ppow_trl.study.data import StudyData, train_features, train_responses, train_topk

@@ -28,10 +28,10 @@ from .serving.runtime import serving_runtime
 from .serving.rule import calibrate_for_serving, describe_serving_rule
 # llama.cpp's layout for standalone Llama drafters (CPU serving in llama.cpp; ppow_trl.llama_cpp_draft).
 from .gguf_export import export_gguf
-from .kd_trainer import KDConfig, KDTrainer
+from .training.kd_trainer import KDConfig, KDTrainer
 from .models import OFFLINE_TARGET, build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter
-from .ppow_config import PPOWConfig
-from .ppow_trainer import PPOWTrainer
+from .training.ppow_config import PPOWConfig
+from .training.ppow_trainer import PPOWTrainer
 from .serving.rewards import divergence, proximity_reward, window_reward
 from .serving.verification import (
     acceptance_probabilities,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .serving.calibration import calibrate_policy
-from .contexts import score_sequence
+from .training.contexts import score_sequence
 from .serving.cost import calibrate_cost_model, overall_speedup, speedup
 from .data import build_target_responses, load_mtbench, recover_json_records, sharegpt_json_path
 from .models import build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter

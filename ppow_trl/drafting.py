@@ -180,7 +180,7 @@ class DrafterFamily:
                       *, target=None, features: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The states whose projection by ``output_head`` gives ``log q(y_i | c, y_<i)``, with gradients:
         ``(B, C, H)`` for windows ``window_ids`` ``(B, C)`` drafted after ``contexts[inverse[b]]`` (each distinct
-        context computed once). The PPOW loss (``ppow_trl.window_logprobs``) calls it."""
+        context computed once). The PPOW loss (``ppow_trl.training.window_logprobs``) calls it."""
         raise NotImplementedError(f"The {self.name} family has no trainable loss path.")
 
     def output_head(self, drafter, target=None) -> torch.nn.Module:
@@ -189,7 +189,7 @@ class DrafterFamily:
 
     def kd_rows(self, model, inputs: dict, mask: torch.Tensor, args, target=None):
         """KD's student rows: ``([(logits (N, C), teacher_mask (B, T))], model output)``, one pair per slot
-        (``ppow_trl.kd_trainer``)."""
+        (``ppow_trl.training.kd_trainer``)."""
         raise NotImplementedError(f"The {self.name} family has no KD objective.")
 
     def kd_slot_weights(self, args, num_slots: int) -> list[float] | None:
@@ -200,7 +200,7 @@ class DrafterFamily:
                                feature_layers=None):
         """Logits at the last ``keep`` columns of a left-padded batch (column ``j``: the first token of a window
         drafted after ``ids[:j + 1]``) and the hidden states at ``feature_layers`` when asked (context scoring,
-        ``ppow_trl.contexts``). Returns ``(logits (B, keep, V), features or None)``."""
+        ``ppow_trl.training.contexts``). Returns ``(logits (B, keep, V), features or None)``."""
         raise NotImplementedError
 
     # -- serving ------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from ppow_trl.data import (build_target_responses, compute_target_features, comp
 from ppow_trl.drafting import get_family
 from ppow_trl.drafters.hybrid import hybrid_drafter
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target
-from ppow_trl.model_card import PROTOCOL
+from ppow_trl.training.model_card import PROTOCOL
 from ppow_trl.serving.runtime import serving_runtime
 from ppow_trl.serving.rule import calibrate_for_serving
 from ppow_trl.utils import cache_root, save_json, set_cpu_threads

@@ -22,10 +22,10 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from conftest import easy_hard_bigram_table, make_bigram_llama, make_tiny_tokenizer  # noqa: E402
-from ppow_trl.contexts import score_sequences  # noqa: E402
+from ppow_trl.training.contexts import score_sequences  # noqa: E402
 from ppow_trl.serving.generation import exact_greedy_tau  # noqa: E402
-from ppow_trl.ppow_config import PPOWConfig  # noqa: E402
-from ppow_trl.ppow_trainer import PPOWTrainer  # noqa: E402
+from ppow_trl.training.ppow_config import PPOWConfig  # noqa: E402
+from ppow_trl.training.ppow_trainer import PPOWTrainer  # noqa: E402
 
 GIVEN_COST = {"drafter_cost": 0.3, "verify_cost": [1.0, 1.4, 1.6, 1.8, 2.0]}
 PROXIMITY_WEIGHT = 0.3

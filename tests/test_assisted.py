@@ -43,7 +43,7 @@ from ppow_trl.serving.assisted import (
 )
 from ppow_trl.serving.cost import COST_MODEL_FILE, CostModel
 from ppow_trl.drafter import PPOWDrafterForCausalLM
-from ppow_trl.model_card import render_model_card
+from ppow_trl.training.model_card import render_model_card
 from ppow_trl.models import make_drafter
 from ppow_trl.serving.windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
 

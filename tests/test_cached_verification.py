@@ -1,9 +1,9 @@
-"""Greedy rewards from the cached target text equal the target-verified ones (ppow_trl.cached_verification)."""
+"""Greedy rewards from the cached target text equal the target-verified ones (ppow_trl.training.cached_verification)."""
 
 import pytest
 import torch
 
-from ppow_trl.cached_verification import (
+from ppow_trl.training.cached_verification import (
     PAST_TEXT,
     cached_next_tokens,
     leaves_cached_text,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from ppow_trl.contexts import (
+from ppow_trl.training.contexts import (
     MAX_MULTINOMIAL_CATEGORIES,
     ContextPool,
     ContextSelector,

@@ -15,7 +15,7 @@ from ppow_trl.data import compute_target_topk
 from ppow_trl.drafters.dflash import anchored_block_hidden, dflash_from_target, feature_layers
 from ppow_trl.drafters.eagle3 import target_features
 from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
-from ppow_trl.kd_trainer import KDConfig, KDTrainer
+from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 LAYERS = [0, 1, 3]  # decoder layers: hidden states 1, 2, 4
@@ -96,8 +96,8 @@ def test_ppow_trains_a_block_drafter_with_the_sampled_log_probs(trained, tmp_pat
     within 1e-4; LoRA training then runs end to end, and the cost model charges one drafter forward per round."""
     from peft import LoraConfig
 
-    from ppow_trl.ppow_config import PPOWConfig
-    from ppow_trl.ppow_trainer import PPOWTrainer
+    from ppow_trl.training.ppow_config import PPOWConfig
+    from ppow_trl.training.ppow_trainer import PPOWTrainer
 
     target, data = trained["target"], trained["responses"]
     trained["drafter"].save_pretrained(tmp_path / "warm")

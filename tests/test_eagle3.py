@@ -19,7 +19,7 @@ from ppow_trl.data import compute_target_topk
 from ppow_trl.data import compute_target_features
 from ppow_trl.drafters.eagle3 import Eagle3DrafterForCausalLM, context_features, target_features
 from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
-from ppow_trl.kd_trainer import KDConfig, KDTrainer
+from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.serving.rollout import draft_windows, target_window_probs
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
@@ -191,8 +191,8 @@ def test_ppow_trains_a_chain_drafter_with_the_sampled_log_probs(trained, tmp_pat
     its log q equals the rollout's sampled log q within 1e-4; LoRA training then runs end to end."""
     from peft import LoraConfig
 
-    from ppow_trl.ppow_config import PPOWConfig
-    from ppow_trl.ppow_trainer import PPOWTrainer
+    from ppow_trl.training.ppow_config import PPOWConfig
+    from ppow_trl.training.ppow_trainer import PPOWTrainer
 
     target, data = trained["target"], trained["responses"]
     trained["drafter"].save_pretrained(tmp_path / "warm")

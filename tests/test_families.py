@@ -17,7 +17,7 @@ from ppow_trl.data import compute_target_topk
 from ppow_trl.drafting import detect_family, drafting_session, family_names, family_of, get_family, load_drafter
 from ppow_trl.features import context_features
 from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
-from ppow_trl.kd_trainer import KDConfig, KDTrainer
+from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.serving.rollout import draft_windows
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
@@ -189,9 +189,9 @@ def test_loss_log_probs_equal_the_sampled_ones(name, data, tmp_path, tmp_path_fa
     trainer's folder gets the hook file only where the family's route uses one."""
     import copy
 
-    import ppow_trl.ppow_trainer as trainer_module
-    from ppow_trl.ppow_config import PPOWConfig
-    from ppow_trl.ppow_trainer import PPOWTrainer
+    import ppow_trl.training.ppow_trainer as trainer_module
+    from ppow_trl.training.ppow_config import PPOWConfig
+    from ppow_trl.training.ppow_trainer import PPOWTrainer
 
     modes = []
     verify = trainer_module.verify_windows

@@ -1,4 +1,4 @@
-"""KD baseline: top-k forward KL of a drafter against cached target distributions (`ppow_trl.kd_trainer`)."""
+"""KD baseline: top-k forward KL of a drafter against cached target distributions (`ppow_trl.training.kd_trainer`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, set_seed
 
 from ppow_trl.data import build_target_responses, compute_target_topk
 from ppow_trl.drafter import PPOWDrafterForCausalLM
-from ppow_trl.kd_trainer import DataCollatorForKD, KDConfig, KDTrainer, topk_forward_kl, topk_total_variation
+from ppow_trl.training.kd_trainer import DataCollatorForKD, KDConfig, KDTrainer, topk_forward_kl, topk_total_variation
 from ppow_trl.models import build_draft_vocab, make_drafter
 
 VOCAB = 64

@@ -1,4 +1,4 @@
-"""On-policy distillation on drafted windows (ppow_trl.on_policy): the teacher, the loss against brute force, and
+"""On-policy distillation on drafted windows (ppow_trl.training.on_policy): the teacher, the loss against brute force, and
 training that brings the drafter closer to the target on its own windows."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from conftest import make_tiny_llama
 
-from ppow_trl.on_policy import on_policy_loss, on_policy_teacher, train_on_policy
+from ppow_trl.training.on_policy import on_policy_loss, on_policy_teacher, train_on_policy
 from ppow_trl.serving.rollout import draft_windows
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
@@ -70,7 +70,7 @@ def test_loss_equals_brute_force_kl_plus_tv_and_reaches_the_drafter():
 def test_training_on_its_own_windows_lowers_the_divergence():
     from datasets import Dataset
 
-    from ppow_trl.contexts import ContextPool
+    from ppow_trl.training.contexts import ContextPool
 
     target, drafter = _models()
     rows = [{"prompt_ids": [5 + i, 9, 11], "response_ids": [(3 * i + j) % 50 + 4 for j in range(8)]} for i in range(6)]

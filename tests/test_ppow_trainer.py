@@ -11,8 +11,8 @@ from transformers import TrainerCallback
 
 from ppow_trl.serving.cost import CostModel, speedup
 from ppow_trl.models import make_drafter
-from ppow_trl.ppow_config import PPOWConfig
-from ppow_trl.ppow_trainer import PPOWTrainer
+from ppow_trl.training.ppow_config import PPOWConfig
+from ppow_trl.training.ppow_trainer import PPOWTrainer
 from ppow_trl.serving.rewards import proximity_reward
 from ppow_trl.serving.rollout import draft_windows, target_window_probs
 from ppow_trl.serving.verification import acceptance_probabilities, expected_accepted_length, prefix_acceptance_probabilities

@@ -89,7 +89,7 @@ def test_dflash_loss_refuses_a_window_token_outside_the_shared_vocabulary():
     from ppow_trl.drafters.dflash import dflash_from_target
     from ppow_trl.drafting import family_of
     from ppow_trl.features import context_features
-    from ppow_trl.window_logprobs import window_logprobs
+    from ppow_trl.training.window_logprobs import window_logprobs
 
     target = make_tiny_llama(num_layers=4, seed=0)
     drafter = dflash_from_target(target, mask_token_id=6, block_size=5, target_layer_ids=[0, 1, 3])

@@ -132,7 +132,7 @@ def test_training_budget_stops_probes_and_runs_milestones(tmp_path):
     from transformers import TrainerCallback, set_seed
 
     from ppow_trl.data import build_target_responses, compute_target_topk
-    from ppow_trl.kd_trainer import KDConfig, KDTrainer
+    from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
     from ppow_trl.models import make_drafter
 
     set_seed(0)

@@ -1,7 +1,7 @@
 """Teacher-forced top-k of the target along its own responses (`compute_target_topk`).
 
 The target's top-k next-token log-probabilities at every response position are the teacher signal of
-token-level distillation (the KD baseline and warm start, `ppow_trl.kd_trainer`), stored once so the
+token-level distillation (the KD baseline and warm start, `ppow_trl.training.kd_trainer`), stored once so the
 target need not be kept in memory while the drafter trains. Rows come from `build_target_responses`;
 results go through the same resumable cache (`ppow_trl.data.cache`).
 """

@@ -17,7 +17,7 @@ Stage 2 (``arms``), from each converged drafter, every arm for ``extra_seconds``
 - ``ppow_cache``: PPOW with greedy rewards from the cached text (``reward_source="cache"``);
 - ``ppow_t1``: PPOW with T = 1 rewards (E[A|y] under speculative sampling, the target verifying every window);
 - ``on_policy``: on-policy distillation (DistillSpec; TRL's GKD with ``lmbda = 1``): windows drafted by the drafter,
-  the target's top-k distribution at every window position, forward KL + TV (``ppow_trl.on_policy``);
+  the target's top-k distribution at every window position, forward KL + TV (``ppow_trl.training.on_policy``);
 - ``ppow_dense``: ``ppow_cache`` plus the dense per-position credit (``per_token_credit="add"``).
 
 Every arm is evaluated as the study evaluates (``runner.evaluate_arm``): exact greedy tau on the 80 MT-bench first
@@ -100,7 +100,7 @@ def converge(family: str, config: ConvergedConfig, results: Path = RESULTS, work
     from ..serving.assisted import save_assistant
     from ..data import stop_token_ids
     from ..drafting import get_family
-    from ..kd_trainer import KDConfig, KDTrainer
+    from ..training.kd_trainer import KDConfig, KDTrainer
     from ..utils import set_cpu_threads
     from .data import train_topk
     from .runner import _build_drafter, _cost_and_policy, _load, _result, evaluate_arm
@@ -238,7 +238,7 @@ def _kd_more(drafter, target, tokenizer, train, study, config, seed, probe, prob
     import tempfile
 
     from ..drafting import family_of
-    from ..kd_trainer import KDConfig, KDTrainer
+    from ..training.kd_trainer import KDConfig, KDTrainer
     from .budget import TrainingBudget
     from .data import train_features, train_topk
 
@@ -261,8 +261,8 @@ def _kd_more(drafter, target, tokenizer, train, study, config, seed, probe, prob
 
 
 def _on_policy(drafter, target, tokenizer, train, study, config, seed, probe, probe_every):
-    from ..contexts import ContextPool
-    from ..on_policy import train_on_policy
+    from ..training.contexts import ContextPool
+    from ..training.on_policy import train_on_policy
 
     out = train_on_policy(drafter, target, ContextPool(train), seconds=config.extra_seconds,
                           learning_rate=config.on_policy_learning_rate,
@@ -281,8 +281,8 @@ def _ppow(drafter, target, tokenizer, train, calibration, study, config, seed, p
     from peft import LoraConfig
 
     from ..drafting import family_of
-    from ..ppow_config import PPOWConfig
-    from ..ppow_trainer import PPOWTrainer
+    from ..training.ppow_config import PPOWConfig
+    from ..training.ppow_trainer import PPOWTrainer
     from .budget import TrainingBudget
 
     settings = dict(output_dir=str(output_dir), max_window=study.max_window, window_threshold=study.window_threshold,

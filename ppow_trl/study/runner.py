@@ -221,7 +221,7 @@ def _build_drafter(arm: Arm, config: StudyConfig, target, tokenizer, draft_vocab
 def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_vocab, probe, work: Path):
     import tempfile
 
-    from ..kd_trainer import KDConfig, KDTrainer
+    from ..training.kd_trainer import KDConfig, KDTrainer
     from .budget import TrainingBudget
     from .data import train_topk
 
@@ -261,8 +261,8 @@ def _train_ppow(arm: Arm, config: StudyConfig, target, tokenizer, train, calibra
     from peft import LoraConfig
 
     from ..serving.cost import calibrate_cost_model
-    from ..ppow_config import PPOWConfig
-    from ..ppow_trainer import PPOWTrainer
+    from ..training.ppow_config import PPOWConfig
+    from ..training.ppow_trainer import PPOWTrainer
     from .budget import TrainingBudget
 
     warm = work / warm_start_of(arm.drafter)

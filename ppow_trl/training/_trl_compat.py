@@ -24,7 +24,7 @@ import importlib
 import inspect
 import re
 
-from ._compat import SUPPORTED_TRL_RANGE, installed_trl_version
+from .._compat import SUPPORTED_TRL_RANGE, installed_trl_version
 
 __all__ = [
     "CALLED_METHODS",
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
-# Re-exports (loaded on first access: `from ppow_trl._trl_compat import split_tensor_dict` works as usual)
+# Re-exports (loaded on first access: `from ppow_trl.training._trl_compat import split_tensor_dict` works as usual)
 # ---------------------------------------------------------------------------------------------------------------
 
 _REEXPORTS = {
@@ -257,7 +257,7 @@ def check_touch_point(key: str) -> list[str]:
                 return _check_source(where, snippet, why)
     except Exception as error:  # noqa: BLE001 - any failure to inspect is a problem to report, not a crash
         return [_message(key, f"could not be checked ({type(error).__name__}: {error})", "")]
-    raise KeyError(f"{key!r} is not a touch point of ppow_trl._trl_compat (see touch_points()).")
+    raise KeyError(f"{key!r} is not a touch point of ppow_trl.training._trl_compat (see touch_points()).")
 
 
 def _check_callable(key, path, expected, use):

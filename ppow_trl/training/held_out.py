@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .serving.cost import CostModel, overall_speedup
-from .serving.generation import exact_greedy_tau, greedy_continuation
-from .serving.rollout import verify_windows
-from .serving.windowing import AdaptiveWindowPolicy
+from ..serving.cost import CostModel, overall_speedup
+from ..serving.generation import exact_greedy_tau, greedy_continuation
+from ..serving.rollout import verify_windows
+from ..serving.windowing import AdaptiveWindowPolicy
 
 
 @torch.no_grad()

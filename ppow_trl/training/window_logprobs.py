@@ -21,7 +21,7 @@ import functools
 
 import torch
 from ._trl_compat import chunked_logprobs
-from .drafter import ReducedVocabHeadMixin
+from ..drafter import ReducedVocabHeadMixin
 
 # Config attributes that change the logits in ways this path does not reproduce (TRL's path handles them).
 _UNSUPPORTED_LOGIT_SCALES = ("output_multiplier", "lm_head_multiplier", "logits_scaling")

@@ -22,25 +22,25 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from ._trl_compat import split_tensor_dict, unwrap_model_for_generation
-from .serving.assisted import write_assistant_files
-from .serving.calibration import calibrate_policy, held_out_contexts
+from ..serving.assisted import write_assistant_files
+from ..serving.calibration import calibrate_policy, held_out_contexts
 from .contexts import ContextPool, ContextSelector, refresh_scores
-from .serving.cost import COST_MODEL_FILE, CostModel
-from .serving.credit import per_position_advantages
-from .drafter import ReducedVocabHeadMixin
-from .drafting import family_of, load_drafter
-from .features import RolloutFeatures
+from ..serving.cost import COST_MODEL_FILE, CostModel
+from ..serving.credit import per_position_advantages
+from ..drafter import ReducedVocabHeadMixin
+from ..drafting import family_of, load_drafter
+from ..features import RolloutFeatures
 from .model_card import render_model_card, write_model_card
-from .models import check_compatibility, check_same_device, load_target
+from ..models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
 from .held_out import held_out_tau_counts, held_out_window_metrics
-from .serving.rewards import divergence
-from .serving.runtime import serving_runtime
+from ..serving.rewards import divergence
+from ..serving.runtime import serving_runtime
 from .cached_verification import cached_next_tokens, verify_windows_from_cache
-from .serving.rollout import VerifiedWindows, verify_windows, window_rewards
+from ..serving.rollout import VerifiedWindows, verify_windows, window_rewards
 from .window_logprobs import install_loss_route
-from .utils import unwrap_model
-from .serving.windowing import AdaptiveWindowPolicy
+from ..utils import unwrap_model
+from ..serving.windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class PPOWTrainer(GRPOTrainer):
         return [{"candidate": c, "prompt": self.context_pool.context(c)} for c in mine for _ in range(group)]
 
     def _refresh_selection_scores(self) -> None:
-        """Rescore a rotating subset of sequences with the current drafter (``ppow_trl.contexts.refresh_scores``)."""
+        """Rescore a rotating subset of sequences with the current drafter (``ppow_trl.training.contexts.refresh_scores``)."""
         args = self.args
         pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as drafter, _eval_mode(drafter):
@@ -405,7 +405,7 @@ class PPOWTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
-        """Log-probs of the window tokens with each context computed once (``ppow_trl.window_logprobs``).
+        """Log-probs of the window tokens with each context computed once (``ppow_trl.training.window_logprobs``).
 
         Runs through ``model``'s forward (DDP/PEFT wrappers included) on the drafter's ``ppow_window_logprobs``
         route. TRL's generic path is used when ``shared_context_logprobs=False``, for a model without the route

@@ -21,11 +21,11 @@ from collections.abc import Callable
 import torch
 
 from .contexts import ContextPool
-from .drafting import family_of
-from .features import context_features
+from ..drafting import family_of
+from ..features import context_features
 from .kd_trainer import topk_forward_kl, topk_total_variation, vocab_maps
-from .serving.rollout import draft_windows, target_window_probs
-from .serving.windowing import AdaptiveWindowPolicy
+from ..serving.rollout import draft_windows, target_window_probs
+from ..serving.windowing import AdaptiveWindowPolicy
 
 
 @torch.no_grad()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .serving.cost import CostModel
-from .serving.windowing import AdaptiveWindowPolicy
+from ..serving.cost import CostModel
+from ..serving.windowing import AdaptiveWindowPolicy
 
 PROTOCOL = (
     "Batch size 1. tau = tokens generated / target verification forwards (bonus token included, EAGLE's "
@@ -134,7 +134,7 @@ trust_remote_code=True)` applies the same rule from the merged folder's `custom_
 def _family(family, args, adapter: bool):
     """The drafter family the card describes: ``family`` (a name or a ``DrafterFamily``), else the one saved in the
     trainer's output folder (``merged/`` for an adapter), else ``None`` (unknown: the standalone routes are shown)."""
-    from .drafting import DrafterFamily, detect_family, get_family
+    from ..drafting import DrafterFamily, detect_family, get_family
 
     if isinstance(family, DrafterFamily):
         return family

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import torch
 from trl import GRPOConfig
 
-from .models import QUANTIZATIONS
-from .serving.rewards import DIVERGENCES
-from .serving.runtime import RUNTIMES
+from ..models import QUANTIZATIONS
+from ..serving.rewards import DIVERGENCES
+from ..serving.runtime import RUNTIMES
 
 
 @dataclass
@@ -75,7 +75,7 @@ class PPOWConfig(GRPOConfig):
             `"greedy"`: the realised greedy accepted length A (verification against the target's argmax).
         reward_source (`str`, *optional*, defaults to `"target"`):
             Where greedy rewards come from. `"target"`: the target verifies every window (one forward per batch).
-            `"cache"`: from the training text itself (`ppow_trl.cached_verification`), exact when the responses are
+            `"cache"`: from the training text itself (`ppow_trl.training.cached_verification`), exact when the responses are
             the target's own greedy text: `A` is the leading run of matches with the response's next tokens, and the
             target runs only for windows that run past a response's end; the selection scores' `p` is read from the
             text too (drafters that read the target's hidden states still run it for their features). Needs

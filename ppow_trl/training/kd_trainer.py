@@ -44,9 +44,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
-from .drafter import ReducedVocabHeadMixin
-from .drafting import family_of, load_drafter
-from .utils import unwrap_model
+from ..drafter import ReducedVocabHeadMixin
+from ..drafting import family_of, load_drafter
+from ..utils import unwrap_model
 
 # Columns the trainer reads (from `ppow_trl.data.build_target_responses` + `compute_target_topk`).
 KD_COLUMNS = ("prompt_ids", "response_ids", "topk_ids", "topk_logprobs")
@@ -650,7 +650,7 @@ class KDTrainer(Trainer):
         """Exact greedy tau at fixed windows of ``eval_tau_window`` over ``dataset``'s prompts, with its
         ``response_ids`` as the target's greedy text (ratio of sums; prompts sharded over the processes)."""
         from .held_out import held_out_tau_counts
-        from .serving.windowing import AdaptiveWindowPolicy
+        from ..serving.windowing import AdaptiveWindowPolicy
 
         acc = self.accelerator
         rows = dataset.select(range(acc.process_index, len(dataset), acc.num_processes))

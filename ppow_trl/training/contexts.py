@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from datasets import Dataset
 
-from .batching import left_pad, positions_from_mask
-from .drafting import family_of, target_layer_ids
-from .features import target_forward
-from .serving.verification import probabilities_from_logits
-from .serving.windowing import divergence_scores
+from ..batching import left_pad, positions_from_mask
+from ..drafting import family_of, target_layer_ids
+from ..features import target_forward
+from ..serving.verification import probabilities_from_logits
+from ..serving.windowing import divergence_scores
 
 SELECTOR_STATE_FILE = "ppow_context_selector.pt"
 LEGACY_SELECTOR_STATE_FILE = "ppow_context_selector.json"  # written before the tensor file; still loads
@@ -122,7 +122,7 @@ def _response_probs(target, drafter, ids, mask, positions, keep: int, vocab_size
     ``response_distributions``). The target's forward also gives the features a feature-conditioned drafter reads
     (``layer_ids``), so no second target pass runs. ``greedy_from_text``: the sequences are the target's greedy text,
     so its greedy ``p`` at each position is the one-hot of the next token of ``ids`` and the target runs only for
-    features (``ppow_trl.cached_verification``)."""
+    features (``ppow_trl.training.cached_verification``)."""
     features = None
     if greedy_from_text:
         p = torch.nn.functional.one_hot(ids[:, -(keep - 1):], vocab_size).float()

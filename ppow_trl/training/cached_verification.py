@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from .serving.rollout import VerifiedWindows, draft_windows, target_window_probs
-from .serving.verification import window_prefix_acceptance
-from .serving.windowing import AdaptiveWindowPolicy
+from ..serving.rollout import VerifiedWindows, draft_windows, target_window_probs
+from ..serving.verification import window_prefix_acceptance
+from ..serving.windowing import AdaptiveWindowPolicy
 
 PAST_TEXT = -1  # a position past the end of the cached text in ``next_tokens``
 
