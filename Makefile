@@ -31,7 +31,7 @@ interop:
 # llama.cpp's Python bindings (tests/test_llama_cpp.py, benchmarks/llama_cpp_serving.py): a source distribution that builds
 # llama.cpp with the machine's cmake and gcc for this CPU (about 5 min on 2 cores the first time), without the
 # multimodal library, and on CPUs with AMX without llama.cpp's AMX backend, which crashed on quantized models
-# (ppow_trl/llama_cpp_build.py). The wheel is kept per set of CMake options under the ppow_trl cache; nothing is
+# (ppow_trl/interop/llama_cpp_build.py). The wheel is kept per set of CMake options under the ppow_trl cache; nothing is
 # rebuilt when the installed bindings are fine. Extra options: `make llama-cpp CMAKE_ARGS=...`.
 llama-cpp:
 	CMAKE_ARGS="$(CMAKE_ARGS)" $(PYTHON) tools/llama_cpp_setup.py $(if $(CONSTRAINTS),--constraints $(CONSTRAINTS))

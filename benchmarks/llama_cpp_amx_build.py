@@ -1,7 +1,7 @@
 """What the llama.cpp build for AMX CPUs costs: the options `make llama-cpp` uses there, against the native build.
 
 On a CPU with AMX, `make llama-cpp` builds llama.cpp with ``GGML_NATIVE=OFF``, the CPU's instruction sets named one
-by one and the AMX backend off (ppow_trl/llama_cpp_build.py), because the native build's AMX backend crashed on every
+by one and the AMX backend off (ppow_trl/interop/llama_cpp_build.py), because the native build's AMX backend crashed on every
 quantized model. On an AMX CPU the native build is therefore no alternative. What can be measured anywhere with
 AVX-512 is the price of leaving ``-march=native``: this script builds the AMX options here (``--as-if-amx``), and times
 the shipped SmolLM2-135M Q4_1 target in both builds side by side, one thread, arms alternated, each in a child process:
@@ -67,7 +67,7 @@ def package_dir(source: Path, scratch: Path) -> Path:
 
 
 def cpu_description() -> dict:
-    from ppow_trl.llama_cpp_build import has_amx
+    from ppow_trl.interop.llama_cpp_build import has_amx
     from ppow_trl.utils import cpu_flags, cpu_name
 
     flags = cpu_flags()
@@ -94,7 +94,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "llama_cpp_amx_build.json")
     args = parser.parse_args()
 
-    from ppow_trl.llama_cpp_build import cmake_args, cpu_flags
+    from ppow_trl.interop.llama_cpp_build import cmake_args, cpu_flags
     from ppow_trl.offline import smollm2_gguf_path
 
     if args.native is None:

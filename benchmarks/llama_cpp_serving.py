@@ -49,8 +49,8 @@ import ppow_trl  # noqa: F401  (registers the reduced-vocabulary drafter)
 from ppow_trl.bench.report import machine_info
 from ppow_trl.data import load_prompts
 from ppow_trl.drafting import load_drafter
-from ppow_trl.gguf_export import expanded_head_agreement, export_gguf
-from ppow_trl.llama_cpp_draft import LlamaCppDrafter, load_llama, mean_accepted_length, pairing_problems, quantize_gguf
+from ppow_trl.interop.gguf_export import expanded_head_agreement, export_gguf
+from ppow_trl.interop.llama_cpp_draft import LlamaCppDrafter, load_llama, mean_accepted_length, pairing_problems, quantize_gguf
 from ppow_trl.offline import smollm2_gguf_path, smollm2_path
 from ppow_trl.utils import set_cpu_threads
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy

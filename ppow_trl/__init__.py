@@ -26,8 +26,8 @@ from .serving.calibration import held_out_contexts
 from .drafters.hybrid import hybrid_drafter
 from .serving.runtime import serving_runtime
 from .serving.rule import calibrate_for_serving, describe_serving_rule
-# llama.cpp's layout for standalone Llama drafters (CPU serving in llama.cpp; ppow_trl.llama_cpp_draft).
-from .gguf_export import export_gguf
+# llama.cpp's layout for standalone Llama drafters (CPU serving in llama.cpp; ppow_trl.interop.llama_cpp_draft).
+from .interop.gguf_export import export_gguf
 from .training.kd_trainer import KDConfig, KDTrainer
 from .models import OFFLINE_TARGET, build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter
 from .training.ppow_config import PPOWConfig

@@ -329,7 +329,7 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         if script_args.export_format:
             folder = Path(training_args.output_dir) / f"{family.name}-{script_args.export_format}"
             family.export(standalone, folder, format=script_args.export_format, target=target)
-            if script_args.export_format == "gguf":  # the served rule, read by ppow_trl.llama_cpp_draft.LlamaCppDrafter
+            if script_args.export_format == "gguf":  # the served rule, read by ppow_trl.interop.llama_cpp_draft.LlamaCppDrafter
                 trainer.window_policy.save_pretrained(folder)
             logger.info("%s exported in the %s layout to %s", family.description, script_args.export_format, folder)
         if hybrid is not None:  # the drafter with prompt lookup, its own rule: load_assistant(<output_dir>/hybrid)

@@ -26,7 +26,7 @@ from test_multiprocess import free_port
 import multiprocess_build_once as workers
 from ppow_trl import build_once as bo
 from ppow_trl import offline
-from ppow_trl.gguf_export import export_gguf
+from ppow_trl.interop.gguf_export import export_gguf
 
 TIMEOUT_S = 180
 

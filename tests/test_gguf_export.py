@@ -1,4 +1,4 @@
-"""GGUF export of standalone drafters (``ppow_trl.gguf_export``): written in llama.cpp's layout, read back by
+"""GGUF export of standalone drafters (``ppow_trl.interop.gguf_export``): written in llama.cpp's layout, read back by
 transformers' own GGUF loader with the same logits (fp32) and the same greedy text; the vocabulary round-trips; what
 cannot be written is refused with a message. The slow test compares a SmolLM2 drafter's file with the llama.cpp-made
 GGUF the offline target ships in, tensor by tensor."""
@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from ppow_trl.drafter import PPOWDrafterForCausalLM
 from ppow_trl.drafting import detect_family, get_family, load_drafter
-from ppow_trl.gguf_export import (
+from ppow_trl.interop.gguf_export import (
     NO_VOCAB,
     expanded_head_agreement,
     export_gguf,
@@ -172,7 +172,7 @@ def test_family_export_finds_the_targets_saved_tokenizer(target, tokenizer, tmp_
 def test_without_a_tokenizer_the_file_has_no_vocabulary_and_says_so(target, tmp_path, caplog):
     family = get_family("standalone")
     drafter = family.build(target, None, num_layers=1)
-    with caplog.at_level(logging.WARNING, logger="ppow_trl.gguf_export"):
+    with caplog.at_level(logging.WARNING, logger="ppow_trl.interop.gguf_export"):
         family.export(drafter, tmp_path / "gguf", format="gguf", target=target)
     assert "llama.cpp will not pair it" in caplog.text
     assert _fields(tmp_path / "gguf" / "drafter-f32.gguf")["tokenizer.ggml.model"] == NO_VOCAB

@@ -229,7 +229,7 @@ def test_save_push_load_generate_is_lossless(name, tiny, hub, tmp_path):
 
 
 def test_gguf_export_pushed_to_the_hub_loads_back(tiny, hub, tmp_path):
-    """The standalone family's GGUF layout (``ppow_trl.gguf_export``) found and loaded from a repo id."""
+    """The standalone family's GGUF layout (``ppow_trl.interop.gguf_export``) found and loaded from a repo id."""
     from ppow_trl.drafting import detect_family, load_drafter
 
     family = get_family("standalone")

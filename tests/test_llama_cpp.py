@@ -17,8 +17,8 @@ from conftest import make_tiny_llama
 from test_gguf_export import PROMPTS, make_bpe_tokenizer
 
 from ppow_trl.serving.generation import speculative_generate
-from ppow_trl.gguf_export import export_gguf
-from ppow_trl.llama_cpp_draft import (
+from ppow_trl.interop.gguf_export import export_gguf
+from ppow_trl.interop.llama_cpp_draft import (
     LLAMA_CPP_INSTALL,
     LlamaCppDrafter,
     common_prefix_length,
@@ -28,7 +28,7 @@ from ppow_trl.llama_cpp_draft import (
     quantize_gguf,
     require_llama_cpp,
 )
-from ppow_trl.llama_cpp_build import (
+from ppow_trl.interop.llama_cpp_build import (
     amx_fault_expected,
     amx_fault_message,
     build_features,
@@ -203,7 +203,7 @@ def test_quantized_drafter_stays_close_and_still_pairs(models, files, tokenizer,
 
 def test_quantized_models_evaluate_with_this_build_on_this_cpu():
     """The shipped SmolLM2 Q4_1 file, evaluated by llama.cpp in a child process. On a CPU with AMX, llama.cpp's
-    native build crashed here (ppow_trl.llama_cpp_build); `make llama-cpp` builds without its AMX backend there."""
+    native build crashed here (ppow_trl.interop.llama_cpp_build); `make llama-cpp` builds without its AMX backend there."""
     from ppow_trl.offline import smollm2_gguf_path
 
     flags = cpu_flags()
@@ -229,7 +229,7 @@ def test_amx_cpus_get_a_build_without_the_amx_backend():
 
 
 def test_a_faulty_build_refuses_quantized_files_instead_of_crashing(files, tmp_path, monkeypatch):
-    import ppow_trl.llama_cpp_draft as draft_module
+    import ppow_trl.interop.llama_cpp_draft as draft_module
 
     q8 = quantize_gguf(files[1], tmp_path / "drafter-q8_0.gguf", "q8_0")
     monkeypatch.setattr(draft_module, "amx_fault_expected", lambda: True)

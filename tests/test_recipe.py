@@ -262,11 +262,11 @@ def test_gguf_export_of_a_reduced_head_fails_at_parse_time(tmp_path):
 
 def test_gguf_export_carries_the_served_rule_for_llama_cpp(tmp_path):
     """--export_format gguf on a full-vocabulary standalone drafter: the .gguf file, and the served window rule next to
-    it (what ``ppow_trl.llama_cpp_draft.LlamaCppDrafter`` reads)."""
+    it (what ``ppow_trl.interop.llama_cpp_draft.LlamaCppDrafter`` reads)."""
     from conftest import CHAT_TEMPLATE
     from test_gguf_export import make_bpe_tokenizer
 
-    from ppow_trl.gguf_export import load_gguf_drafter
+    from ppow_trl.interop.gguf_export import load_gguf_drafter
 
     tokenizer = make_bpe_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE

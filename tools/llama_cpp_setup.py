@@ -1,6 +1,6 @@
 """`make llama-cpp`: install llama-cpp-python, built from source for this CPU, without the AMX fault.
 
-The CMake options come from `ppow_trl.llama_cpp_build.cmake_args` (the native build, or on a CPU with AMX the same
+The CMake options come from `ppow_trl.interop.llama_cpp_build.cmake_args` (the native build, or on a CPU with AMX the same
 instruction sets without the AMX backend), plus ``-DLLAVA_BUILD=OFF`` and whatever ``$CMAKE_ARGS`` adds. The wheel is
 built once per (version, options) under ``<cache_root>/wheels/`` and installed from there: pip's own wheel cache
 ignores CMAKE_ARGS and would hand back a wheel built with other options. Nothing is rebuilt when the installed
@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ppow_trl.build_once import build_once
-from ppow_trl.llama_cpp_build import AMX_FLAGS, amx_fault_expected, cmake_args, cpu_flags
+from ppow_trl.interop.llama_cpp_build import AMX_FLAGS, amx_fault_expected, cmake_args, cpu_flags
 from ppow_trl.utils import cache_root
 
 VERSION = "0.3.36"

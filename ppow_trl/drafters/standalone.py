@@ -19,7 +19,7 @@ from ..batching import left_pad, positions_from_mask, prefill_contexts, shift_ro
 from ..drafter import ReducedVocabHeadMixin
 from ..drafting import HUB_KWARGS, DrafterFamily
 from ..features import forward_at, target_forward
-from ..gguf_export import export_gguf, gguf_files, load_gguf_drafter
+from ..interop.gguf_export import export_gguf, gguf_files, load_gguf_drafter
 from ..models import make_drafter
 from ..utils import PEFT_ASSISTANT_MESSAGE, crop_cache, unwrap_model
 from ..serving.windowing import attach_window_policy, configure_generation_config
@@ -110,7 +110,7 @@ class StandaloneFamily(DrafterFamily):
     name = "standalone"
     description = "standalone causal LM"
     compiles = True
-    export_formats = ("gguf",)  # llama.cpp's layout (ppow_trl.gguf_export), for CPU users of llama-speculative
+    export_formats = ("gguf",)  # llama.cpp's layout (ppow_trl.interop.gguf_export), for CPU users of llama-speculative
 
     def owns(self, model) -> bool:
         return callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None

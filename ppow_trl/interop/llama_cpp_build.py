@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .utils import cpu_flags
+from ..utils import cpu_flags
 
 # /proc/cpuinfo flag -> the ggml CMake option that enables it when GGML_NATIVE is OFF (ggml/src/ggml-cpu/CMakeLists.txt).
 GGML_ISA_OPTIONS = {

@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .serving.custom_generate.generate import keep_drafting, window_confidence
+from ..serving.custom_generate.generate import keep_drafting, window_confidence
 from .llama_cpp_build import amx_fault_expected, amx_fault_message
-from .utils import default_cpu_threads
-from .serving.windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
+from ..utils import default_cpu_threads
+from ..serving.windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def load_llama(model_path: str | Path, *, n_ctx: int = 2048, n_threads: int | No
     llama = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                             logits_all=logits_all, seed=0, verbose=False, type_k=kv, type_v=kv, **llama_kwargs)
     if is_quantized(llama) and amx_fault_expected():
-        # A clear error now rather than a segmentation fault at the first evaluation (ppow_trl.llama_cpp_build).
+        # A clear error now rather than a segmentation fault at the first evaluation (ppow_trl.interop.llama_cpp_build).
         raise RuntimeError(f"{path.name}: {amx_fault_message()}")
     return llama
 

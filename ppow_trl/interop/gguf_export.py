@@ -1,5 +1,5 @@
 """GGUF export of standalone drafters, for llama.cpp on CPUs (``llama-speculative-simple`` / ``llama-server``
-``-md drafter.gguf --spec-type draft-simple``; ``ppow_trl.llama_cpp_draft`` from Python).
+``-md drafter.gguf --spec-type draft-simple``; ``ppow_trl.interop.llama_cpp_draft`` from Python).
 
 ``export_gguf(drafter, "drafter.gguf", tokenizer)`` writes a Llama-architecture causal LM (a truncated target, a small
 LM of the target's tokenizer) as one ``.gguf`` file the way llama.cpp's ``convert_hf_to_gguf.py`` writes Llama models:
@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .utils import is_peft_model, require_package, unwrap_model
+from ..utils import is_peft_model, require_package, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def _llama_parts(model, expand_reduced_head: bool):
                 "other token, which a GGUF Llama head (no bias) cannot express. Either export a full-vocabulary "
                 "drafter, or pass expand_reduced_head=True to write the head with zero rows outside the draft "
                 "vocabulary: those tokens then get logit 0 instead of -inf, so the exported drafter proposes the same "
-                "greedy tokens only where its best draft logit is above 0 (ppow_trl.gguf_export."
+                "greedy tokens only where its best draft logit is above 0 (ppow_trl.interop.gguf_export."
                 "expanded_head_agreement measures it). Speculative decoding stays lossless either way."
             )
         expanded = head.new_zeros(full, head.shape[1])
