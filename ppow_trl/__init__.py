@@ -11,11 +11,11 @@ from . import _compat  # noqa: F401
 # Importing _moved puts its finder first on sys.meta_path.
 from ._moved import moved_attribute as __getattr__  # noqa: F401
 
+from .serving.cost import CostModel, calibrate_cost_model, overall_speedup, speedup
 # Importing the drafter module registers the `ppow_drafter` model type with AutoConfig and
 # AutoModelForCausalLM, so `AutoModelForCausalLM.from_pretrained(saved_drafter)` works after `import ppow_trl`.
-from .serving.cost import CostModel, calibrate_cost_model, overall_speedup, speedup
 from .drafter import PPOWDrafterConfig, PPOWDrafterForCausalLM
-# Drafter families (standalone, eagle3, dflash, prompt_lookup) and their registry.
+# The drafter families' registry (the families: ppow_trl.drafters).
 from .drafting import DrafterFamily, family_of, get_family, load_drafter, register_family
 # Registers the `ppow_eagle3` model type too (EAGLE-3 heads reading the target's hidden states).
 from .drafters.eagle3 import Eagle3DrafterConfig, Eagle3DrafterForCausalLM
