@@ -87,14 +87,14 @@ class _MovedLoader(importlib.abc.Loader):
 
     def __init__(self, new: str):
         self.new = new
-        self.module = None
+        self.spec = None  # the moved module's own spec
 
     def create_module(self, spec):
         warnings.warn(f"{spec.name} moved to {self.new}: import it from there (the old path will be removed).",
                       FutureWarning, stacklevel=_stacklevel())
-        self.module = importlib.import_module(self.new)
-        self.spec = self.module.__spec__
-        return self.module
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
 
     def exec_module(self, module):
         # module_from_spec gave the module the old name's spec: give it its own back (pickling, reload, -m).
