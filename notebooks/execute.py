@@ -10,6 +10,7 @@ long the notebook took at fast and at full settings: every run records its secon
     python notebooks/execute.py --fast     # PPOW_NOTEBOOK_FAST=1: the committed outputs (`make notebooks`)
     python notebooks/execute.py            # the notebooks' default (full) settings
     python notebooks/execute.py --clear    # strip the outputs again, nothing executed
+    python notebooks/execute.py --refresh-notes   # rewrite the notes' timings from notebooks/timings.json only
 
 On a failure nothing is written back: the partly executed notebook is left in the working directory (printed).
 """
@@ -135,6 +136,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fast", action="store_true", help="small settings (PPOW_NOTEBOOK_FAST=1), as the test runs")
     parser.add_argument("--clear", action="store_true", help="only strip the outputs (and reset the note); no run")
+    parser.add_argument("--refresh-notes", action="store_true",
+                        help="rewrite each note's timing from notebooks/timings.json (after a run to --output-dir); "
+                             "the committed outputs stay, made at fast settings")
     parser.add_argument("--output-dir", type=Path, default=NOTEBOOKS,
                         help="where the executed notebooks are written (default: notebooks/, in place)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
@@ -148,6 +152,14 @@ def main(argv=None) -> int:
             set_note(notebook, NO_OUTPUTS_NOTE)
             nbformat.write(notebook, args.output_dir / name)
         print(f"cleared {len(notebooks)} notebooks in {args.output_dir}")
+        return 0
+
+    if args.refresh_notes:
+        recorded = load_timings()
+        for name, notebook in notebooks.items():
+            set_note(notebook, outputs_note(True, recorded.get(name, {})))
+            nbformat.write(notebook, args.output_dir / name)
+        print(f"refreshed the notes of {len(notebooks)} notebooks from {TIMINGS}")
         return 0
 
     os.environ.update(ENVIRONMENT)
