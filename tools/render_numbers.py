@@ -411,10 +411,10 @@ def compiled_serving(results: Path):
         "- `hf_generate_eager`: `target.generate`, dynamic cache, eager (the baseline most users have);",
         "- `hf_generate_compiled`: `generate` with `cache_implementation=\"static\"` and a `CompileConfig` (inductor), "
         "transformers' documented route;",
-        "- `compiled_plain[<dtype>]`: ppow_trl's loop without a drafter on the compiled runtime (`ppow_trl.runtime`);",
+        "- `compiled_plain[<dtype>]`: ppow_trl's loop without a drafter on the compiled runtime (`ppow_trl.serving.runtime`);",
         "- `compiled_speculative[<drafter>]`: the loop with a drafter and the rule `calibrate_for_serving` chooses on "
         "the compiled runtime's measured costs: the main job's drafter (`ppow`), prompt lookup, and the hybrid of the "
-        "two (`ppow_trl.hybrid`: the looked-up token where the text repeats, the drafter's elsewhere).", "",
+        "two (`ppow_trl.drafters.hybrid`: the looked-up token where the text repeats, the drafter's elsewhere).", "",
         "Per row: median ms/token [95% CI], tau (tokens per target forward), speedups against `compiled_plain[fp32]` "
         "and `hf_generate_eager` (ratio of total times [95% CI]), lossless prompts (tokens equal to compiled plain "
         "decoding's) and agreement with eager plain decoding (`= eager`).", "",
@@ -715,7 +715,7 @@ def llama_cpp_amx_build(results: Path):
     lines = [
         "What the llama.cpp build for AMX CPUs costs (`benchmarks/llama_cpp_amx_build.py`): on a CPU with AMX, "
         "`make llama-cpp` builds llama.cpp with `GGML_NATIVE=OFF`, the CPU's instruction sets named one by one and the "
-        "AMX backend off (`ppow_trl/llama_cpp_build.py`), because the native build's AMX backend crashed on quantized "
+        "AMX backend off (`ppow_trl/interop/llama_cpp_build.py`), because the native build's AMX backend crashed on quantized "
         "models. What can be measured on any AVX-512 CPU is the price of leaving `-march=native`: the script builds "
         "those options here and times the shipped Q4_1 target in both builds side by side, arms alternated, each in a "
         "child process: decode (ms per token, one token per evaluation) and verify (one evaluation of a "
@@ -880,7 +880,7 @@ def trainer_throughput(results: Path):
                            count(round(m["peak_during_train_mib"])), count(round(m["peak_above_start_mib"]))]
                           for name, m in memory.items()])]
     lines += [
-        "Reading: the shared-context path (`ppow_trl/window_logprobs.py`) computes the same log-probs and gradients "
+        "Reading: the shared-context path (`ppow_trl/training/window_logprobs.py`) computes the same log-probs and gradients "
         "(`tests/test_trainer_paths.py`) in less time and memory. What limits the ratio is the target's own forwards "
         "(prefill of the contexts and one pass over the windows with their cache): they cost the same in both arms "
         "and become most of a shared-context step. They are what a PPOW step is (the reward needs the target's "
