@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .report import machine_text
 from .evaluate import SAMPLES_PER_CONTEXT, bootstrap_interval, paired_ratio_interval, ratio_of_sums
 
 BASELINE = "kd_more"
@@ -256,14 +257,7 @@ def _setup(results: Path) -> list[str]:
     for parts in data.values():
         for arm, by_seed in parts["arms"].items():
             arms.setdefault(arm, next(iter(by_seed.values())).get("description", ""))
-    items = [machine.get("platform") or "platform not recorded"]
-    if machine.get("cpu_count") is not None:
-        items.append(f"{machine['cpu_count']} CPU cores (CPU model not recorded)")
-    items.append(str(machine.get("precision", "precision not recorded")))
-    if machine.get("threads") is not None:
-        items.append(f"{machine['threads']} torch thread(s) per run")
-    items += [f"{k} {machine[k]}" for k in ("torch", "transformers", "trl", "peft") if k in machine]
-    lines = [f"Machine: {', '.join(items)}; runs side by side (`--jobs`).", ""]
+    lines = [f"Machine: {machine_text(machine, unit='run')}; runs side by side (`--jobs`).", ""]
     if config:
         lines += [f"Setup: each arm trains for {config.get('extra_seconds', '-'):.0f} s of optimizer-step time from its "
                   f"family's converged drafter, under seeds {', '.join(str(s) for s in config.get('seeds', []))}; "

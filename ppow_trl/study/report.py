@@ -300,13 +300,14 @@ def _display(path: Path) -> str:
         return path.as_posix()
 
 
-def _machine(machine: dict) -> str:
+def machine_text(machine: dict, unit: str = "arm") -> str:
+    """The machine a study ran on, as its JSON records it (``unit``: what one torch thread count applies to)."""
     items = [machine.get("platform") or "platform not recorded"]
     if machine.get("cpu_count") is not None:
         items.append(f"{machine['cpu_count']} CPU cores (CPU model not recorded)")
     items.append(str(machine.get("precision", "precision not recorded")))
     if machine.get("threads") is not None:
-        items.append(f"{machine['threads']} torch thread{'s' if machine['threads'] != 1 else ''} per arm")
+        items.append(f"{machine['threads']} torch thread{'s' if machine['threads'] != 1 else ''} per {unit}")
     items += [f"{k} {machine[k]}" for k in ("torch", "transformers", "trl", "peft") if k in machine]
     return ", ".join(items)
 
@@ -339,7 +340,7 @@ def section(arms: dict[str, dict], summary: dict, wallclock: dict | None, readin
         "Command (the whole study, resumable): `python benchmarks/study.py`; one arm: "
         "`python -m ppow_trl.study --run-arm <arm>`.",
         "",
-        f"Machine: {_machine(machine)}; arms ran side by side (`--jobs`).",
+        f"Machine: {machine_text(machine)}; arms ran side by side (`--jobs`).",
         "",
         f"Setup: target SmolLM2-135M-Instruct; drafter: the target's first {config['drafter_layers']} layers with a "
         f"{config['draft_vocab_size']}-token head (the `eagle3_*` and `dflash_*` arms train those families instead, with "
