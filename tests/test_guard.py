@@ -22,7 +22,7 @@ from ppow_trl.serving.cost import CostModel
 from ppow_trl.serving.custom_generate.generate import SpeculationGuard, WindowBudget, guard_of
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy, search_window_grid
 
-GUARD = {"break_even_tokens": 1.5, "window": 3, "probe_every": 4}
+GUARD = {"break_even_tokens": 1.5, "window": 3, "probe_every": 4, "margin": 0.1}
 
 
 def make_models(seed=0):
@@ -48,7 +48,8 @@ def reference_decisions(accepted_of_round, num_rounds, b, window, probe_every):
     Outcomes count from the second decision after their round (the protocol HF's loop imposes): when a drafting
     round starts, the previous drafting round's outcome is added. Speculating: a pause of ``probe_every`` rounds
     starts when the last ``window`` counted rounds averaged under ``b`` tokens; the round being drafted then is
-    not counted; the next drafting round is a probe, whose outcome alone decides (``>= b`` resumes).
+    not counted; the next drafting round is a probe, whose outcome alone decides (``>= b`` resumes). ``b`` here is
+    the guard's line, ``(1 - margin) * break_even_tokens``.
     """
     decisions, history, pending, paused, probing, skip = [], [], None, 0, False, False
     for r in range(num_rounds):
@@ -87,9 +88,30 @@ def test_guard_state_machine_equals_the_rule_written_out(seed):
                 guard.record(last)
             last = accepted[r]
     expected = reference_decisions(lambda r: accepted[r], 200, **{
-        "b": GUARD["break_even_tokens"], "window": GUARD["window"], "probe_every": GUARD["probe_every"]})
+        "b": 0.9 * GUARD["break_even_tokens"], "window": GUARD["window"], "probe_every": GUARD["probe_every"]})
     assert guard.decisions == expected
     assert not all(expected) and any(expected[120:])  # it paused on the bad stretch and came back
+
+
+def run_guard(guard, accepted, rounds=200):
+    last = None
+    for _ in range(rounds):
+        if guard.decide():
+            if last is not None:
+                guard.record(last)
+            last = accepted
+    return guard.decisions
+
+
+def test_guard_pauses_only_on_a_clear_loss():
+    """A proposer whose missed round costs about one step (prompt lookup: b ~ t_v(1)/t_t) is not paused by misses
+    inside the margin: pausing would save under 5% and forfeit the next hits. Without the margin the same misses
+    pause it (the knife edge the margin removes); a missed round that costs 1.3 steps pauses it with or without."""
+    assert all(run_guard(SpeculationGuard(1.04, window=8, probe_every=32), accepted=0))
+    assert not all(run_guard(SpeculationGuard(1.04, window=8, probe_every=32, margin=0.0), accepted=0))
+    assert not all(run_guard(SpeculationGuard(1.3, window=8, probe_every=32), accepted=0))
+    # On the line: 8 rounds of one token each against b = 1 / 0.95 are exactly (1 - margin) b, not under it.
+    assert all(run_guard(SpeculationGuard(1 / 0.95 - 1e-9, window=8, probe_every=32), accepted=0))
 
 
 def test_guard_rejects_bad_settings():
@@ -97,6 +119,8 @@ def test_guard_rejects_bad_settings():
         SpeculationGuard(0.0)
     with pytest.raises(ValueError, match="window"):
         AdaptiveWindowPolicy(4, 0.3, guard={"break_even_tokens": 1.2, "window": 0})
+    with pytest.raises(ValueError, match="margin"):
+        SpeculationGuard(1.2, margin=1.0)
 
 
 @pytest.mark.parametrize("drafter_index", [1, 2])

@@ -19,8 +19,9 @@ from .cost import CostModel
 from .runtime import ServingRuntime
 from .windowing import AdaptiveWindowPolicy, charged_within
 
-DEFAULT_GUARD = {"window": 8, "probe_every": 32}
-"""The online guard's settings: pause after 8 drafting rounds under break-even on average, probe every 32 tokens."""
+DEFAULT_GUARD = {"window": 8, "probe_every": 32, "margin": 0.05}
+"""The online guard's settings: pause when 8 drafting rounds ran more than 5% under plain speed on average, probe
+every 32 tokens (``SpeculationGuard``)."""
 
 
 def _check_servable(drafter) -> None:
@@ -103,10 +104,11 @@ def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | 
         best = calibration.get("best_speculative_speedup")
         return ("No speculation (K = 0, plain decoding): no window rule was predicted above 1x on this machine"
                 + (f" (best {best:.3f}x)" if best is not None else "") + f"; {costs}.")
-    guard = policy.guard
-    guard_text = "no online guard" if not guard else (
-        f"online guard: drafting pauses for {guard['probe_every']} tokens when the last {guard['window']} rounds "
-        f"yield under {guard['break_even_tokens']:.2f} tokens each (the rule's mean round cost), then probes")
+    guard = policy.new_guard()
+    guard_text = "no online guard" if guard is None else (
+        f"online guard: drafting pauses for {guard.probe_every} tokens when the last {guard.window} rounds yield "
+        f"under {guard.pause_below:.2f} tokens each ({1 - guard.margin:.2f} x the rule's mean round cost "
+        f"{guard.break_even_tokens:.2f}), then probes")
     return (f"K = {policy.max_window}, h = {policy.threshold:.2f}"
             + (f", predicted {predicted:.3f}x on {calibration.get('num_contexts')} held-out contexts"
                if predicted is not None else "")
