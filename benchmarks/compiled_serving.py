@@ -12,7 +12,12 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
 - ``compiled_speculative[<drafter>]``: the loop with a drafter and the rule ``calibrate_for_serving`` chooses on the
   compiled runtime's measured costs (the main job's drafter, prompt lookup, and the hybrid of the two:
   ``ppow_trl.drafters.hybrid``, the looked-up token where the text repeats, the drafter's elsewhere); when that rule is K = 0
-  the best rule that speculates is also timed, as ``compiled_speculative[<drafter>:best_speculative]``.
+  the best rule that speculates is also timed, as ``compiled_speculative[<drafter>:best_speculative]``;
+- ``llama_cpp_plain[<f16|q8_0>]`` and ``llama_cpp_speculative[<f16|q8_0>]`` (``--skip-llama-cpp`` to leave out):
+  llama.cpp's CPU kernels through llama-cpp-python, the strongest plain baseline a CPU user may pick. SmolLM2 is
+  exported to GGUF (F16, then llama.cpp's Q8_0 quantizer); the speculative rows add the main job's drafter (exported,
+  Q8_0) as llama-cpp-python's draft model at a fixed window of 1, the best of K = 1..3 in
+  ``llama_cpp_serving.json``. Each speculative row's reference is the plain row of the same file.
 
 Every row: median ms/token [95% CI], tau, speedups against ``compiled_plain[fp32]`` and ``hf_generate_eager``
 (ratio of total times [95% CI]), lossless prompts (tokens equal to compiled plain decoding's) and agreement with
@@ -134,6 +139,14 @@ def child(args) -> dict:
                                  forced, stop_ids, vocab, plain,
                                  {"rule": f"K = {best['max_window']}, h = {best['threshold']:.2f}, guarded"}))
 
+    llama_cpp = {"skipped": "--skip-llama-cpp"}
+    if not args.skip_llama_cpp:
+        import tempfile
+
+        llama_arms, llama_cpp = llama_cpp_arms(target, drafters["ppow"], stop_ids, threads,
+                                               Path(tempfile.mkdtemp(prefix="ppow_llama_cpp_")))
+        arms += llama_arms
+
     hf_compile_s = None
     if not args.skip_hf_compiled:
         # transformers' compiled generate: compile its decode graph once over a static cache of HF_MAX_CACHE_LEN
@@ -153,7 +166,7 @@ def child(args) -> dict:
                                      "loop_overhead (o_0, o_r, o_d)": [round(c.plain_overhead, 4), round(c.round_overhead, 4),
                                                                        round(c.drafted_token_overhead, 4)]}
                               for name, c in costs.items()},
-              "rules": {name: p.calibration["serving_rule"] for name, p in rules.items()}}
+              "rules": {name: p.calibration["serving_rule"] for name, p in rules.items()}, "llama_cpp": llama_cpp}
     sets = {"mtbench": args.mtbench, "code": args.code}
     for set_name, count in sets.items():
         if not count:
@@ -167,6 +180,61 @@ def child(args) -> dict:
                                     "arms": result["arms"], "table": format_arms(result["arms"], [plain, "hf_generate_eager"])}
         print("\n".join(report["runs"][set_name]["table"]), file=sys.stderr, flush=True)
     return report
+
+
+def llama_cpp_arms(target, drafter, stop_ids, threads: int, work: Path) -> tuple[list, dict]:
+    """The llama.cpp rows (module docstring) and what was built for them; ``([], {"skipped": why})`` when
+    llama-cpp-python is missing or refuses a file on this CPU (``ppow_trl.interop.llama_cpp_draft.load_llama``)."""
+    from ppow_trl.bench.served import Arm
+    from ppow_trl.interop.gguf_export import export_gguf
+    from ppow_trl.interop.llama_cpp_draft import LlamaCppDrafter, load_llama, quantize_gguf
+    from ppow_trl.offline import smollm2_gguf_path
+    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+
+    window = 1
+    stops = set(stop_ids)
+
+    def arm(label, llama, reference, draft=None):
+        def run(ids, max_new_tokens):
+            if draft is not None:
+                draft.reset_stats()
+            tokens = []
+            for token in llama.generate(ids[0].tolist(), temp=0.0, top_k=1, reset=True):
+                tokens.append(int(token))
+                if token in stops or len(tokens) == max_new_tokens:
+                    break
+            # Target forwards that verified: one per drafting round (the last round is never scored: + 1).
+            return tokens, len(tokens) if draft is None else len(draft.rounds) + 1
+
+        return Arm(label, run, reference, {"gguf": label.split("[")[1].rstrip("]"), "draft_window": window
+                                           if draft is not None else 0})
+
+    try:
+        started = time.perf_counter()
+        files = {"f16": export_gguf(target, work / "target-f16.gguf", smollm2_gguf_path(), dtype="f16")}
+        files["q8_0"] = quantize_gguf(files["f16"], work / "target-q8_0.gguf", "q8_0")
+        reduced = getattr(drafter.config, "draft_vocab_size", None) is not None
+        drafter_file = quantize_gguf(export_gguf(drafter, work / "drafter-f32.gguf", smollm2_gguf_path(),
+                                                 expand_reduced_head=reduced), work / "drafter-q8_0.gguf", "q8_0")
+    except (ImportError, RuntimeError, ValueError) as error:  # no llama-cpp-python (gguf), or a failed export
+        print(f"llama.cpp rows skipped: {error}", file=sys.stderr, flush=True)
+        return [], {"skipped": str(error)}
+    arms, info = [], {"export_s": round(time.perf_counter() - started, 1), "draft_window": window,
+                      "file_mb": {name: round(path.stat().st_size / 2**20, 1) for name, path in
+                                  {**files, "drafter_q8_0": drafter_file}.items()}}
+    for precision, path in files.items():
+        plain = f"llama_cpp_plain[{precision}]"
+        pair = []
+        try:  # load_llama refuses quantized files where llama.cpp's AMX backend is known to crash
+            pair.append(arm(plain, load_llama(path, n_threads=threads), plain))
+            draft = LlamaCppDrafter(drafter_file, AdaptiveWindowPolicy(max_window=window), n_threads=threads)
+            pair.append(arm(f"llama_cpp_speculative[{precision}]", load_llama(path, n_threads=threads,
+                                                                              draft_model=draft), plain, draft))
+        except (RuntimeError, ValueError) as error:
+            print(f"llama.cpp {precision} rows skipped: {error}", file=sys.stderr, flush=True)
+            info.setdefault("skipped_rows", {})[precision] = str(error)
+        arms += pair
+    return arms, info
 
 
 def plot(results: dict, path: Path) -> None:
@@ -223,6 +291,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--drafter", default=str(REPO / "outputs" / "ppow-smollm2-offline" / "merged"))
     parser.add_argument("--skip-hf-compiled", action="store_true")
+    parser.add_argument("--skip-llama-cpp", action="store_true", help="leave out the llama.cpp rows")
     parser.add_argument("--bf16-plain", action="store_true", help="add compiled_plain[bf16] (bf16 weights)")
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
@@ -244,6 +313,7 @@ def main() -> int:
         command = [sys.executable, __file__, "--child", "--threads", str(threads), "--mtbench", str(args.mtbench),
                    "--code", str(args.code), "--max-new-tokens", str(args.max_new_tokens), "--max-window",
                    str(args.max_window), "--drafter", args.drafter] + (["--skip-hf-compiled"] if args.skip_hf_compiled else []) + (
+                      ["--skip-llama-cpp"] if args.skip_llama_cpp else []) + (
                       ["--bf16-plain"] if args.bf16_plain else [])
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
