@@ -8,7 +8,10 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
   ``fullgraph``, static shapes, freezing + max-autotune options), transformers' documented route; on a CPU it needs
   ``compile_config._compile_all_devices = True``;
 - ``compiled_plain[fp32]``: ppow_trl's loop without a drafter on the compiled runtime (``ppow_trl.serving.runtime``);
-- ``compiled_plain[bf16]`` (``--bf16-plain``): the same with the target's weights in bf16;
+- ``compiled_plain[<precision>]`` and ``compiled_speculative[<drafter>@<precision>]`` for each precision of
+  ``--precisions`` beyond fp32 (default ``int8``; ``ppow_trl.serving.precision``): the target converted, compiled,
+  the rule calibrated again on that runtime; lossless is counted against plain decoding at that precision, and
+  "= eager" against fp32 eager decoding;
 - ``compiled_speculative[<drafter>]``: the loop with a drafter and the rule ``calibrate_for_serving`` chooses on the
   compiled runtime's measured costs (the main job's drafter, prompt lookup, and the hybrid of the two:
   ``ppow_trl.drafters.hybrid``, the looked-up token where the text repeats, the drafter's elsewhere); when that rule is K = 0
@@ -27,7 +30,7 @@ those asked for and keeps the others).
 
     python benchmarks/compiled_serving.py                              # 80 MT-bench + 40 code prompts, 1 and 2 threads
     python benchmarks/compiled_serving.py --mtbench 24 --code 12 --threads 1
-    python benchmarks/compiled_serving.py --threads 2 --bf16-plain   # adds compiled_plain[bf16]
+    python benchmarks/compiled_serving.py --threads 2 --precisions bf16 int8
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def child(args) -> dict:
     from ppow_trl.drafters.hybrid import hybrid_drafter
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path
+    from ppow_trl.serving.precision import serving_precision
     from ppow_trl.serving.runtime import serving_runtime
     from ppow_trl.serving.rule import calibrate_for_serving
     from ppow_trl.utils import cache_root, set_cpu_threads
@@ -106,17 +110,27 @@ def child(args) -> dict:
     compiled_target = runtimes["ppow"].target
     plain = "compiled_plain[fp32]"
     arms = [generate_arm("hf_generate_eager", target, stop_ids, pad_id, "hf_generate_eager")]
-    if args.bf16_plain:
-        # Fewer bytes per token: the target's weights in bf16 on the same runtime, plain decoding (one graph). Its
-        # reference is itself (lossless is a property of one precision); "= eager" counts agreement with fp32.
-        import copy
-
-        target_bf16 = copy.deepcopy(target).to(torch.bfloat16).eval()
-        started = time.perf_counter()
-        bf16 = serving_runtime(target_bf16, None, runtime="compiled", max_window=0, max_cache_len=MAX_CACHE_LEN)
-        compile_s += time.perf_counter() - started
-        arms.append(loop_arm("compiled_plain[bf16]", bf16.target, drafters["ppow"], AdaptiveWindowPolicy(max_window=0),
-                             stop_ids, vocab, "compiled_plain[bf16]"))
+    for precision in args.precisions:
+        if precision == "fp32":
+            continue
+        # Fewer bytes per token: the target converted once, every drafter served on it with its own rule.
+        converted = serving_precision(target, precision)
+        reference = f"compiled_plain[{precision}]"
+        for name, drafter in drafters.items():
+            started = time.perf_counter()
+            runtime = serving_runtime(converted, drafter, runtime="compiled", max_window=K,
+                                      max_cache_len=MAX_CACHE_LEN, precision=precision)
+            compile_s += time.perf_counter() - started
+            with torch.no_grad():
+                policy, cost_model, _ = calibrate_for_serving(target, drafter, contexts, max_window=K,
+                                                              vocab_size=vocab, pad_id=pad_id, runtime=runtime)
+            rules[f"{name}@{precision}"], costs[f"{name}@{precision}"] = policy, cost_model
+            print(f"[{name}@{precision}] {policy.calibration['serving_rule']}", file=sys.stderr, flush=True)
+            if name == "ppow":
+                arms.append(loop_arm(reference, runtime.target, drafter, AdaptiveWindowPolicy(max_window=0), stop_ids,
+                                     vocab, reference))
+            arms.append(loop_arm(f"compiled_speculative[{name}@{precision}]", runtime.target, runtime.drafter, policy,
+                                 stop_ids, vocab, reference, {"rule": policy.calibration["serving_rule"]}))
     if not args.skip_hf_compiled:
         config = CompileConfig(fullgraph=True, dynamic=False, mode=None,
                                options={"freezing": True, "max_autotune": True,
@@ -292,7 +306,8 @@ def main() -> int:
     parser.add_argument("--drafter", default=str(REPO / "outputs" / "ppow-smollm2-offline" / "merged"))
     parser.add_argument("--skip-hf-compiled", action="store_true")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="leave out the llama.cpp rows")
-    parser.add_argument("--bf16-plain", action="store_true", help="add compiled_plain[bf16] (bf16 weights)")
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "int8"], choices=["fp32", "bf16", "int8"],
+                        help="target precisions served side by side (fp32 always)")
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -313,8 +328,8 @@ def main() -> int:
         command = [sys.executable, __file__, "--child", "--threads", str(threads), "--mtbench", str(args.mtbench),
                    "--code", str(args.code), "--max-new-tokens", str(args.max_new_tokens), "--max-window",
                    str(args.max_window), "--drafter", args.drafter] + (["--skip-hf-compiled"] if args.skip_hf_compiled else []) + (
-                      ["--skip-llama-cpp"] if args.skip_llama_cpp else []) + (
-                      ["--bf16-plain"] if args.bf16_plain else [])
+                      ["--skip-llama-cpp"] if args.skip_llama_cpp else []) + [
+                      "--precisions", *args.precisions]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
         if done.returncode:

@@ -386,7 +386,7 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
     if trainer.accelerator.is_main_process:
         # The trainer's cost model was measured on the same runtime (same static cache length): no new compile.
         serving = serving_runtime(trainer.target, drafter.eval(), runtime=training_args.runtime,
-                                  max_window=training_args.max_window)
+                                  max_window=training_args.max_window, precision=training_args.serving_precision)
         logger.info("Serving runtime: %s", serving.describe())
         result = list(calibrate_served_rule(trainer, drafter, serving, calibration_data, training_args))
         logger.info("Served rule: %s", result[0].calibration["serving_rule"])
@@ -474,7 +474,7 @@ def evaluate_served(serving, target, tokenizer, trainer, script_args, training_a
     if not prompt_ids:
         return {}
     name, vocab = serving.name, trainer.vocab_size
-    plain = f"{name}_plain"
+    plain = f"{name}_plain" + ("" if serving.precision == "fp32" else f"[{serving.precision}]")
     arms = [
         generate_arm("hf_generate_eager", target, stop_ids, tokenizer.pad_token_id or stop_ids[0], "hf_generate_eager"),
         loop_arm(plain, serving.target, serving.drafter, AdaptiveWindowPolicy(max_window=0), stop_ids, vocab, plain),

@@ -294,6 +294,8 @@ def test_bad_input_fails_before_training(tmp_path, bigram):
         config(tmp_path, verify_cost=[1.0])
     with pytest.raises(ValueError, match="runtime must be one of compiled, eager"):
         config(tmp_path, runtime="fast")
+    with pytest.raises(ValueError, match="serving_precision must be one of fp32, bf16, int8"):
+        config(tmp_path, serving_precision="int4")
     with pytest.raises(ValueError, match="proximity_weight"):
         config(tmp_path, reward_weights=[1.0, 2.0])
     with pytest.raises(ValueError, match="divisible"):  # TRL checks the global batch, we check per process

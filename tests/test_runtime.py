@@ -50,6 +50,8 @@ def test_bad_arguments_fail_before_anything_compiles(models):
     assert serving_runtime(target, close, runtime="eager", max_window=2).target is target
     with pytest.raises(ValueError, match="runtime must be one of"):
         serving_runtime(target, close, runtime="fast", max_window=2)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        serving_runtime(target, close, runtime="compiled", max_window=2, precision="int4")
     with pytest.raises(ValueError, match="max_window >= 0"):
         serving_runtime(target, close, runtime="compiled", max_window=-1)
     with pytest.raises(ValueError, match="max_cache_len"):

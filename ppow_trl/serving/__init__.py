@@ -4,7 +4,7 @@ window rule (``windowing``, written once in ``custom_generate/generate.py``, the
 the cost model (``cost``), the batched draft -> verify -> rewards path that calibration, evaluation and the trainer's
 rollouts share (``rollout``, ``credit``, ``rewards``), the rule's calibration (``calibration``) and the served rule
 (``rule``), transformers' ``generate(assistant_model=...)`` hook (``assisted``, ``assistant_loop``), and the runtime
-the models serve on (``runtime``, ``compiled``). Drafter families are found through ``ppow_trl.drafting``'s registry:
+the models serve on (``runtime``, ``compiled``, and the target's serving precision, ``precision``). Drafter families are found through ``ppow_trl.drafting``'s registry:
 nothing here imports one.
 """
 
@@ -13,6 +13,7 @@ from .calibration import calibrate_policy, held_out_contexts
 from .compiled import CompiledCausalLM, CompileSettings
 from .cost import CostModel, calibrate_cost_model, overall_speedup, speedup
 from .credit import per_position_advantages, per_position_credit
+from .precision import PRECISIONS, Int8WeightOnlyLinear, serving_precision
 from .generation import ExactGreedyTau, SpeculativeOutput, exact_greedy_tau, greedy_continuation, speculative_generate
 from .rewards import divergence, proximity_reward, window_reward
 from .rollout import DraftedWindows, VerifiedWindows, draft_windows, target_window_probs, verify_windows, window_rewards
@@ -36,6 +37,9 @@ from .windowing import (
 )
 
 __all__ = [
+    "PRECISIONS",
+    "Int8WeightOnlyLinear",
+    "serving_precision",
     "AdaptiveWindowPolicy",
     "CompileSettings",
     "CompiledCausalLM",

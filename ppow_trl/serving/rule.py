@@ -53,8 +53,9 @@ def calibrate_for_serving(
     dtype and device, with the drafter in eval mode. ``guard=None`` serves without the online guard.
 
     ``runtime``: the ``ppow_trl.serving.runtime.ServingRuntime`` that will serve (its models are timed, and the cost model
-    names it); ``None`` times ``target`` and ``drafter`` as they are (eager). Acceptance statistics come from
-    ``target`` and ``drafter`` either way: greedy tokens do not depend on the runtime, up to near ties.
+    names it); ``None`` times ``target`` and ``drafter`` as they are (eager). Acceptance statistics come from the
+    runtime's verifier (``runtime.verifier``: the target at the serving precision, uncompiled; greedy tokens do not
+    depend on the runtime, up to near ties, but they do on the precision) and ``drafter``.
     """
     _check_servable(drafter)
     if not contexts:
@@ -69,7 +70,7 @@ def calibrate_for_serving(
     cost_model = runtime.measure_cost_model(max_window, context_ids=typical.view(1, -1), repeats=cost_repeats,
                                             seed=seed, vocab_size=vocab_size)
     cost_model.description += f"; served drafter (eval, merged); context = median held-out ({len(typical)} tokens)"
-    policy, report = calibrate_policy(target, drafter, contexts, cost_model, max_window=max_window, regime=regime,
+    policy, report = calibrate_policy(runtime.verifier, drafter, contexts, cost_model, max_window=max_window, regime=regime,
                                       temperature=temperature, confidence_temperature=confidence_temperature,
                                       vocab_size=vocab_size, pad_id=pad_id, seed=seed, allow_no_speculation=True,
                                       guard=guard)

@@ -11,6 +11,9 @@ through it: the costs a rule is chosen on are the costs of the runtime that serv
   fallback: the compiled graphs do not return hidden states yet.
 - ``"eager"``: the models as they are.
 
+``precision`` (``"fp32"``, ``"bf16"``, ``"int8"``: ``ppow_trl.serving.precision``) converts a copy of the target
+before either runtime: fewer bytes read per token. The drafter keeps its own precision.
+
 When compiling is not possible (no C++ compiler, a model inductor cannot trace, a failed warm-up), one warning line
 says why and the models serve eagerly: a user gets a slower answer, never a crash. ``ServingRuntime.name`` then says
 ``"eager"`` and ``fallback`` holds the reason, so that a saved cost model never claims a runtime it was not measured on.
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .compiled import CompiledCausalLM, CompileSettings
+from .precision import check_precision, serving_precision
 from .cost import CostModel, calibrate_cost_model
 from ..drafting import family_of
 from ..models import logits_width
@@ -54,11 +58,19 @@ class ServingRuntime:
     compile_seconds: float = 0.0
     settings: str = ""
     fallback: str | None = None
+    precision: str = "fp32"
+
+    @property
+    def verifier(self):
+        """The target as it verifies, uncompiled (same precision and weights): batched calibration rollouts run it."""
+        return getattr(self.target, "model", self.target) if isinstance(self.target, CompiledCausalLM) else self.target
 
     def describe(self) -> str:
+        precision = "" if self.precision == "fp32" else f", target {self.precision}"
         if self.name == "compiled":
-            return f"compiled (inductor {self.settings}, warm-up {self.compile_seconds:.0f} s)"
-        return "eager" + (f" (compiled unavailable: {self.fallback})" if self.fallback else "")
+            return f"compiled (inductor {self.settings}, warm-up {self.compile_seconds:.0f} s{precision})"
+        return "eager" + (f" (compiled unavailable: {self.fallback})" if self.fallback else "") + (
+            f" ({precision[2:]})" if precision else "")
 
     def measure_cost_model(self, max_window: int, *, loop_overhead: bool = True, vocab_size: int | None = None,
                            **kwargs) -> CostModel:
@@ -204,15 +216,18 @@ def _compiled_drafter(drafter, compile):
 
 def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_window: int,
                     max_cache_len: int = DEFAULT_MAX_CACHE_LEN, settings: CompileSettings | None = None,
-                    progress: bool = True) -> ServingRuntime:
-    """``target`` and ``drafter`` on ``runtime`` (module docstring); compiled models are warmed up before returning,
-    so that nothing compiles inside the served loop."""
+                    precision: str = "fp32", progress: bool = True) -> ServingRuntime:
+    """``target`` and ``drafter`` on ``runtime`` (module docstring), the target at ``precision`` (a converted copy
+    unless ``"fp32"``); compiled models are warmed up before returning, so that nothing compiles inside the served
+    loop."""
     check_runtime(runtime)
+    check_precision(precision)
     if not isinstance(max_window, int) or max_window < 0 or max_cache_len < max_window + 2:
         raise ValueError(f"serving_runtime needs an integer max_window >= 0 and max_cache_len > max_window + 1, got "
                          f"max_window={max_window!r}, max_cache_len={max_cache_len!r}.")
+    target = serving_precision(target, precision)
     if runtime == "eager":
-        return ServingRuntime(target, drafter, "eager", runtime)
+        return ServingRuntime(target, drafter, "eager", runtime, precision=precision)
     reason = compile_unavailable_reason(target, drafter)
     if reason is None:
         settings = settings or CompileSettings()
@@ -232,8 +247,9 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
 
             compiled_drafter = _compiled_drafter(drafter, compile_drafter)
             seconds += sum(warmed)
-            return ServingRuntime(compiled_target, compiled_drafter, "compiled", runtime, seconds, settings.label())
+            return ServingRuntime(compiled_target, compiled_drafter, "compiled", runtime, seconds, settings.label(),
+                                  precision=precision)
         except Exception as error:  # noqa: BLE001 - any failure to compile means: serve eagerly, say why
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
     logger.warning("Compiled runtime unavailable (%s); serving eagerly.", reason)
-    return ServingRuntime(target, drafter, "eager", runtime, fallback=reason)
+    return ServingRuntime(target, drafter, "eager", runtime, fallback=reason, precision=precision)

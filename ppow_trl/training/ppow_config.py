@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from ..models import QUANTIZATIONS
 from ..serving.rewards import DIVERGENCES
+from ..serving.precision import PRECISIONS
 from ..serving.runtime import RUNTIMES
 
 
@@ -131,6 +132,11 @@ class PPOWConfig(GRPOConfig):
             minutes to compile once per machine, then cached on disk; eager with a one-line message where compiling
             is not possible) or `"eager"`. The recipe's offline default sets `"compiled"`. Training always runs
             eagerly.
+        serving_precision (`str`, *optional*, defaults to `"fp32"`):
+            The target's precision on that runtime (`ppow_trl.serving.precision`): `"fp32"`, `"bf16"` or `"int8"`
+            (weight-only, per-row scales; fewer bytes read per token). The cost model and the served rule are
+            measured on a converted copy of the target; the rewards' target probabilities stay those of the loaded
+            target. Lossless means speculative = plain decoding at this precision.
     """
 
     max_window: int = field(default=8, metadata={"help": "K, the most tokens drafted per window."})
@@ -162,6 +168,8 @@ class PPOWConfig(GRPOConfig):
     selection_refresh_sequences: int = field(default=64, metadata={"help": "Sequences rescored per refresh."})
     target_quantization: str | None = field(default=None, metadata={"help": "None, '4bit' or '8bit'."})
     runtime: str = field(default="eager", metadata={"help": "Serving runtime: 'compiled' or 'eager'."})
+    serving_precision: str = field(default="fp32", metadata={"help": "Target precision when serving: 'fp32', 'bf16' "
+                                                                     "or 'int8'."})
 
     # Defaults that differ from GRPOConfig, with the reason.
     # Drafters are small: activation checkpointing costs time and saves little memory.
@@ -297,6 +305,8 @@ class PPOWConfig(GRPOConfig):
             errors.append("selection_refresh_steps and selection_refresh_sequences must be >= 1.")
         if self.runtime not in RUNTIMES:
             errors.append(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}.")
+        if self.serving_precision not in PRECISIONS:
+            errors.append(f"serving_precision must be one of {', '.join(PRECISIONS)}, got {self.serving_precision!r}.")
         if self.target_quantization not in QUANTIZATIONS:
             errors.append(f"target_quantization must be one of {QUANTIZATIONS}, got {self.target_quantization!r}.")
         if not self.ignore_data_skip:

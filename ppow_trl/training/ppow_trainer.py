@@ -223,13 +223,14 @@ class PPOWTrainer(GRPOTrainer):
         return measured[0]
 
     def _measure_cost_model(self, drafter) -> CostModel:
-        """``t_d``, ``t_v(L)`` on the runtime that will serve (``args.runtime``), so that the speed reward pays for
+        """``t_d``, ``t_v(L)`` on the runtime that will serve (``args.runtime``, ``args.serving_precision``), so that the speed reward pays for
         what serving costs: on the compiled runtime, the target and a merged copy of the drafter (its costs do not
         depend on the weights LoRA changes) are compiled, once per machine with the disk cache."""
         if self.args.runtime != "eager":
             drafter = copy.deepcopy(unwrap_model(drafter))
             drafter = (drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter).eval()
-        runtime = serving_runtime(self.target, drafter, runtime=self.args.runtime, max_window=self.args.max_window)
+        runtime = serving_runtime(self.target, drafter, runtime=self.args.runtime, max_window=self.args.max_window,
+                                  precision=self.args.serving_precision)
         return runtime.measure_cost_model(self.args.max_window, vocab_size=self.vocab_size)
 
     # ------------------------------------------------------------------ sampling of contexts

@@ -1,0 +1,117 @@
+"""The target's serving precision: fewer bytes read per token, the other lever of CPU decoding.
+
+At batch 1 a decode step reads every weight once, so on a CPU it is close to memory-bound (SmolLM2-135M: 0.54 GB of
+fp32 weights per token; 19 GB/s at one thread on an AMD EPYC). Precisions offered (``PRECISIONS``):
+
+- ``"fp32"``: the model as loaded (the default; the one whose greedy output is the reference everywhere else).
+- ``"bf16"``: weights and activations in bfloat16 (2 bytes a weight).
+- ``"int8"``: int8 weight-only. Each ``nn.Linear`` weight ``W`` (``N x K``) is stored as ``Q = round(W / s)`` in int8
+  with one scale per output row, ``s_n = max_k |W_nk| / 127`` (in bfloat16), so ``W ~ s * Q`` with ``|W - s Q| <= s / 2``;
+  activations are bfloat16 and the product is ``y = (x Q^T) * s`` (``aten._weight_int8pack_mm``, which inductor
+  compiles into its C++ weight-only GEMM template). Norms and the embedding (a gather, not a matmul) stay bfloat16; a
+  tied lm head gets its own int8 copy.
+
+``serving_precision(model, precision)`` returns a converted copy (the fp32 model is left as it is: calibration and
+the benchmarks compare against it). Lossless is a property of one precision and one set of kernels: speculative
+decoding on an int8 target reproduces plain decoding on that int8 target, not on the fp32 one, and the benchmark
+counts both.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+
+PRECISIONS = ("fp32", "bf16", "int8")
+
+_CONVERTED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+"""model -> {precision: converted copy}: one copy per model and precision in a process, so that the trainer's cost
+model and the recipe's serving runtime share one compiled target (a second copy would compile again)."""
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` if it is one of ``PRECISIONS``; a clear error otherwise (before any model is converted)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}.")
+    return precision
+
+
+class Int8WeightOnlyLinear(torch.nn.Module):
+    """``nn.Linear`` with int8 weights and one scale per output row (module docstring: ``y = (x Q^T) * s + b``)."""
+
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        # The scale is rounded to the activations' dtype first (the kernel takes it in that dtype), and Q is computed
+        # against the rounded scale, so that |W - s Q| <= s / 2 holds for the scale the kernel multiplies by.
+        scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(dtype)
+        self.register_buffer("weight_int8", torch.round(weight / scale.float()[:, None]).clamp(-127, 127)
+                             .to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """``s * Q`` in fp32: the weight this layer multiplies by (for tests and error bounds)."""
+        return self.weight_int8.float() * self.scale.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 1:
+            # One row is computed as two equal rows and the first kept. Why: inductor lowers a one-row product to a
+            # slower path than its weight-only GEMM template (SmolLM2 compiled: a 1-row step took 1.5x a 2-row one).
+            # A GEMV over int8 weights is bound by reading them, so the second row costs almost nothing.
+            out = torch.ops.aten._weight_int8pack_mm(rows.expand(2, -1).contiguous(), self.weight_int8, self.scale)[:1]
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight_int8, self.scale)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=int8 per-row scales"
+
+
+def int8_supported(linear: torch.nn.Linear) -> bool:
+    """Whether ``aten._weight_int8pack_mm`` takes this layer's shape: ``in_features % 32 == 0`` and ``out_features %
+    16 == 0`` (torch 2.13's CPU kernel crashed the process on ``in_features`` 7, 8, 12 and 20 and on ``out_features``
+    5; LLM layers are multiples of 64). Other layers stay bf16."""
+    return linear.in_features % 32 == 0 and linear.out_features % 16 == 0
+
+
+def serving_precision(model, precision: str = "fp32"):
+    """``model`` at ``precision`` (module docstring): the model itself for ``"fp32"`` or when it is already at
+    ``precision``, else a converted copy in eval mode, its generation config kept (made once per model and precision
+    in a process: the target is frozen while it serves)."""
+    check_precision(precision)
+    if precision == "fp32" or precision_of(model) == precision:
+        return model
+    converted = _CONVERTED.get(model, {}).get(precision)
+    if converted is not None:
+        return converted
+    converted = copy.deepcopy(model).eval()
+    converted.to(torch.bfloat16)
+    if hasattr(converted, "set_attn_implementation"):
+        # PyTorch's CPU flash attention in bf16 took 0.53 ms a layer for one query row against 0.19 ms for two
+        # (SmolLM2, 512-position static cache, AMD EPYC, torch 2.13): the one-row decode step was 1.5x the two-row
+        # verify. transformers' eager attention (matmul, softmax) is fused by inductor instead: int8 compiled decode
+        # went from 28.4 ms to 17.5 ms a token.
+        converted.set_attn_implementation("eager")
+    if precision == "int8":
+        for module in list(converted.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, torch.nn.Linear) and int8_supported(child):
+                    setattr(module, name, Int8WeightOnlyLinear(child))
+        # An lm head tied to the embedding is now its own int8 module: saving must not re-tie it.
+        converted.config.get_text_config().tie_word_embeddings = False
+    _CONVERTED.setdefault(model, {})[precision] = converted
+    return converted
+
+
+def precision_of(model) -> str:
+    """The serving precision of a model converted by ``serving_precision`` (``"fp32"`` when it was not)."""
+    if any(isinstance(module, Int8WeightOnlyLinear) for module in model.modules()):
+        return "int8"
+    parameter = next(model.parameters(), None)
+    return "bf16" if parameter is not None and parameter.dtype == torch.bfloat16 else "fp32"
