@@ -104,7 +104,7 @@ def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: in
 
     with ``R_0`` the rounds that drafted nothing (the window is capped by the tokens left), ``R_+`` the drafting
     rounds and ``D`` the drafted tokens (per drafted token: its argmax, its confidence; per round: verification, both
-    caches' rollback). Negative estimates (noise) count as 0.
+    caches' rollback), solved per repeat, the median over repeats kept. Negative estimates (noise) count as 0.
     ``context_ids``: the context to generate after (a random one of 64 tokens when ``None``), cut to leave room in a
     static cache; ``vocab_size``: the shared vocabulary (default: the narrower model's logits). Returns
     ``cost_model``, changed in place.
@@ -156,21 +156,30 @@ def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: in
     if not plain:
         raise RuntimeError(f"measure_loop_overhead: {tokens[1]} new tokens took no more steps than {tokens[0]}.")
     cost_model.plain_overhead = max(0.0, statistics.median(plain)) / t_t
-    # Drafting runs: host time - o_0 (plain rounds) = o_r (drafting rounds) + o_d (drafted tokens), summed over the
-    # repeats, one equation per window length; least squares (exact with two lengths).
-    rows = torch.stack([torch.stack(deltas[window]).sum(0) for window in windows if window > 0])
-    excess = (rows[:, 0] - cost_model.plain_overhead * t_t * rows[:, 1]) / t_t
-    if len(rows) == 1 or max_window == 1:
-        solution = torch.stack([excess.sum() / rows[:, 2].sum(), excess.new_zeros(())])
-    else:
-        solution = torch.linalg.lstsq(rows[:, 2:], excess.unsqueeze(-1)).solution.squeeze(-1)
-    cost_model.drafted_token_overhead = max(0.0, float(solution[1]))
-    cost_model.round_overhead = max(0.0, float(solution[0]) if solution[1] >= 0 else float(excess.sum() / rows[:, 2].sum()))
+    # Drafting runs: host time - o_0 (plain rounds) = o_r (drafting rounds) + o_d (drafted tokens), one equation per
+    # window length, solved per repeat (least squares; exact with two lengths), then the median over repeats: one
+    # run slowed by a neighbour on the machine must not set the rule (a summed solve once gave prompt lookup
+    # o_d = 0.2 of a step per looked-up token, and K = 0).
+    estimates = [_round_and_token_overhead(torch.stack([deltas[window][i] for window in windows if window > 0]),
+                                           cost_model.plain_overhead, t_t, max_window) for i in range(repeats)]
+    cost_model.round_overhead = statistics.median(o_r for o_r, _ in estimates)
+    cost_model.drafted_token_overhead = statistics.median(o_d for _, o_d in estimates)
     cost_model.raw_seconds["loop_overhead"] = {
         "plain_step": cost_model.plain_overhead * t_t, "drafting_round": cost_model.round_overhead * t_t,
         "drafted_token": cost_model.drafted_token_overhead * t_t, "windows": windows, "tokens": list(tokens),
         "repeats": repeats}
     return cost_model
+
+
+def _round_and_token_overhead(rows: torch.Tensor, plain_overhead: float, t_t: float, max_window: int):
+    """``(o_r, o_d)`` from one repeat's drafting runs (``measure_loop_overhead``); negative estimates count as 0."""
+    excess = (rows[:, 0] - plain_overhead * t_t * rows[:, 1]) / t_t
+    if len(rows) == 1 or max_window == 1:
+        return max(0.0, float(excess.sum() / rows[:, 2].sum())), 0.0
+    solution = torch.linalg.lstsq(rows[:, 2:], excess.unsqueeze(-1)).solution.squeeze(-1)
+    if solution[1] < 0:  # all of it per round
+        return max(0.0, float(excess.sum() / rows[:, 2].sum())), 0.0
+    return max(0.0, float(solution[0])), float(solution[1])
 
 
 def check_runtime(runtime: str) -> str:
