@@ -185,9 +185,15 @@ def child(args) -> dict:
     for set_name, count in sets.items():
         if not count:
             continue
-        rows = load_prompts(set_name, num_samples=count)
-        ids = [torch.tensor([encode_prompt(tokenizer, row["messages"])]) for row in rows]
-        fitting = [i for i in ids if i.shape[1] + args.max_new_tokens + K + 1 <= MAX_CACHE_LEN]
+        # The first `count` prompts of the set that fit the static cache (prompt + new tokens + K), in the set's
+        # order; the ones passed over are counted.
+        ids, fitting = [], []
+        for row in load_prompts(set_name, num_samples=None):
+            ids.append(torch.tensor([encode_prompt(tokenizer, row["messages"])]))
+            if ids[-1].shape[1] + args.max_new_tokens + K + 1 <= MAX_CACHE_LEN:
+                fitting.append(ids[-1])
+            if len(fitting) == count:
+                break
         result = compare_arms(arms, fitting, max_new_tokens=args.max_new_tokens,
                               baselines=[plain, "hf_generate_eager"], eager_reference="hf_generate_eager")
         report["runs"][set_name] = {"prompts": len(fitting), "skipped_too_long": len(ids) - len(fitting),
