@@ -58,15 +58,9 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         return self.weight_int8.float() * self.scale.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 1:
-            # One row is computed as two equal rows and the first kept. Why: inductor lowers a one-row product to a
-            # slower path than its weight-only GEMM template (SmolLM2 compiled: a 1-row step took 1.5x a 2-row one).
-            # A GEMV over int8 weights is bound by reading them, so the second row costs almost nothing.
-            out = torch.ops.aten._weight_int8pack_mm(rows.expand(2, -1).contiguous(), self.weight_int8, self.scale)[:1]
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight_int8, self.scale)
-        out = out.reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale).reshape(*x.shape[:-1],
+                                                                                          self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
