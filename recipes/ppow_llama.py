@@ -504,6 +504,16 @@ def make_parser() -> TrlParser:
     return TrlParser((PPOWScriptArguments, PPOWConfig, ModelConfig))
 
 
+def with_default_config(argv: list[str]) -> list[str]:
+    """``argv`` with ``--config <offline default>`` first when it names no config: `accelerate launch
+    recipes/ppow_llama.py` runs the offline default, and flags given without a config change that default (before,
+    any flag dropped the whole default and trained with bare ``PPOWConfig`` values, 1,728 steps)."""
+    if any(arg == "--config" or arg.startswith("--config=") for arg in argv) or any(
+            arg in ("-h", "--help") for arg in argv):
+        return list(argv)
+    return ["--config", str(DEFAULT_CONFIG), *argv]
+
+
 def config_error(argv: list[str]) -> str | None:
     """A one-line message when ``argv``'s ``--config`` names no readable file (None when it does, or is absent)."""
     if "--config" not in argv:
@@ -533,8 +543,7 @@ if __name__ == "__main__":
         # backend (else each trains alone); it must be set before the arguments create accelerate's state.
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     parser = make_parser()
-    if len(sys.argv) == 1:  # `accelerate launch recipes/ppow_llama.py` runs the offline default
-        sys.argv += ["--config", str(DEFAULT_CONFIG)]
+    sys.argv[1:] = with_default_config(sys.argv[1:])
     if (message := config_error(sys.argv[1:])) is not None:
         exit_on_bad_arguments(message)
     try:  # every field is checked here (PPOWScriptArguments', PPOWConfig's __post_init__), before any model loads

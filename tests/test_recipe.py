@@ -213,6 +213,17 @@ def test_missing_config_fails_at_once_naming_the_file_and_the_shipped_configs(tm
     assert ppow_llama.config_error(["--max_steps", "2"]) is None
 
 
+def test_flags_without_a_config_change_the_offline_default():
+    """`recipes/ppow_llama.py --max_steps 3` is the offline default with 3 steps, not bare PPOWConfig defaults."""
+    argv = ppow_llama.with_default_config(["--max_steps", "3"])
+    assert argv[:2] == ["--config", str(ppow_llama.DEFAULT_CONFIG)]
+    _, training, _ = ppow_llama.make_parser().parse_args_and_config(args=argv)
+    assert training.max_steps == 3 and training.runtime == "compiled"  # the flag over the default's YAML
+    assert ppow_llama.with_default_config([]) == ["--config", str(ppow_llama.DEFAULT_CONFIG)]
+    for argv in (["--config", "mine.yaml", "--max_steps", "3"], ["--config=mine.yaml"], ["--help"]):
+        assert ppow_llama.with_default_config(argv) == argv
+
+
 @pytest.mark.parametrize("flags, field", [
     (["--learning_rate", "-1"], "learning_rate"),
     (["--learning_rate", "0"], "learning_rate"),

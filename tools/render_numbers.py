@@ -333,12 +333,12 @@ def _verdicts(arms: dict, baseline_key: str) -> str:
 
 
 def _lossless(arms: dict) -> str:
-    spec = {n: a.get("lossless_prompts") for n, a in arms.items() if n.startswith("compiled_speculative")}
+    spec = {n: a.get("lossless_prompts") for n, a in arms.items() if "_speculative" in n}
     if not spec:
         return ""
     ok = all(isinstance(v, str) and "/" in v and v.split("/")[0] == v.split("/")[1] for v in spec.values())
-    return ("every speculative row lossless (tokens equal to compiled plain decoding's on every prompt)" if ok else
-            "not every speculative row is lossless: see the lossless column")
+    return ("every speculative row lossless (tokens equal to plain decoding's at the same precision and runtime, "
+            "on every prompt)" if ok else "not every speculative row is lossless: see the lossless column")
 
 
 def _compiled_serving_runs(data: dict, threads_key: str, run_names: list[str]) -> list[str]:
@@ -359,13 +359,21 @@ def _compiled_serving_runs(data: dict, threads_key: str, run_names: list[str]) -
         block = data["runs"][run]
         prompt_set = run.split("/", 1)[1]
         lines += [f"**{_PROMPT_SETS.get(prompt_set, prompt_set)}**: {block.get('prompts', '-')} prompts "
-                  f"({block.get('skipped_too_long', 0)} longer than the static cache skipped)", ""]
+                  f"({block.get('skipped_too_long', 0)} longer than the static cache passed over)", ""]
         header, rows = _served_rows(block["arms"])
         lines += table(header, rows)
         verdict = _verdicts(block["arms"], "speedup_vs_compiled_plain[fp32]")
         lossless = _lossless(block["arms"])
         if verdict or lossless:
             lines += ["From the intervals: " + "; ".join(x for x in (verdict, lossless) if x) + ".", ""]
+    llama_cpp = meta.get("llama_cpp") or {}
+    if llama_cpp.get("skipped"):
+        lines += [f"llama.cpp rows: not run ({llama_cpp['skipped']}).", ""]
+    elif llama_cpp:
+        lines += ["llama.cpp rows (llama-cpp-python): SmolLM2 exported to GGUF and quantized, files "
+                  + ", ".join(f"{k} {v} MiB" for k, v in (llama_cpp.get("file_mb") or {}).items())
+                  + f"; the drafter as llama-cpp-python's draft model at K = {llama_cpp.get('draft_window', '-')}"
+                  + (f"; skipped: {llama_cpp['skipped_rows']}" if llama_cpp.get("skipped_rows") else "") + ".", ""]
     rules = meta.get("rules") or {}
     costs = meta.get("cost_models") or {}
     if costs:
@@ -411,13 +419,17 @@ def compiled_serving(results: Path):
         "- `hf_generate_eager`: `target.generate`, dynamic cache, eager (the baseline most users have);",
         "- `hf_generate_compiled`: `generate` with `cache_implementation=\"static\"` and a `CompileConfig` (inductor), "
         "transformers' documented route;",
-        "- `compiled_plain[<dtype>]`: ppow_trl's loop without a drafter on the compiled runtime (`ppow_trl.serving.runtime`);",
-        "- `compiled_speculative[<drafter>]`: the loop with a drafter and the rule `calibrate_for_serving` chooses on "
-        "the compiled runtime's measured costs: the main job's drafter (`ppow`), prompt lookup, and the hybrid of the "
-        "two (`ppow_trl.drafters.hybrid`: the looked-up token where the text repeats, the drafter's elsewhere).", "",
+        "- `compiled_plain[<precision>]`: ppow_trl's loop without a drafter on the compiled runtime "
+        "(`ppow_trl.serving.runtime`), the target in fp32 or converted (`int8`: weight-only, `ppow_trl.serving.precision`);",
+        "- `compiled_speculative[<drafter>]` (fp32 target) and `compiled_speculative[<drafter>@<precision>]`: the loop "
+        "with a drafter and the rule `calibrate_for_serving` chooses on that runtime's measured costs: the main job's "
+        "drafter (`ppow`), prompt lookup, and the hybrid of the two (`ppow_trl.drafters.hybrid`: the looked-up token "
+        "where the text repeats, the drafter's elsewhere);",
+        "- `llama_cpp_plain[<gguf>]` and `llama_cpp_speculative[<gguf>]`: llama.cpp (llama-cpp-python) on SmolLM2 "
+        "exported to GGUF (F16, Q8_0), alone and with the main job's drafter as its draft model.", "",
         "Per row: median ms/token [95% CI], tau (tokens per target forward), speedups against `compiled_plain[fp32]` "
-        "and `hf_generate_eager` (ratio of total times [95% CI]), lossless prompts (tokens equal to compiled plain "
-        "decoding's) and agreement with eager plain decoding (`= eager`).", "",
+        "and `hf_generate_eager` (ratio of total times [95% CI]), lossless prompts (tokens equal to plain decoding's "
+        "at the same precision and runtime) and agreement with fp32 eager plain decoding (`= eager`).", "",
         *command_block(data.get("command"), "Each thread count's own command is given with its tables (a rerun skips "
                                             "thread counts already in the JSON; `--force` reruns those asked for)."),
     ]
@@ -1255,7 +1267,7 @@ def render_readme_block(results: Path) -> str:
     machine = ", ".join(x for x in (cpu.get("model"), f"{cpu['cores']} cores" if "cores" in cpu else None, flags) if x)
     prompts = "; ".join(
         f"{data['runs'][run].get('prompts', '-')} {label} prompts"
-        + (f" ({data['runs'][run]['skipped_too_long']} longer than the static cache skipped)"
+        + (f" ({data['runs'][run]['skipped_too_long']} longer than the static cache passed over)"
            if data["runs"][run].get("skipped_too_long") else "")
         + f", {count(next(iter(data['runs'][run]['arms'].values())).get('new_tokens'))} new tokens"
         for run, label in sets)
@@ -1275,10 +1287,11 @@ def render_readme_block(results: Path) -> str:
         f"<!-- generated by `{COMMAND}` from benchmarks/results/{README_SOURCE}: do not edit by hand -->",
         f"Greedy decoding of SmolLM2-135M-Instruct, batch 1, up to {meta.get('max_new_tokens', '-')} new tokens per "
         f"prompt, on {machine or 'a machine not recorded'}, {threads_text(meta.get('threads'))}, "
-        f"{'fp32' if precision else 'precision not recorded'}, torch {meta.get('torch', 'not recorded')}: "
-        "transformers' `generate` (eager, compiled) and ppow_trl's compiled runtime, plain and with the served "
-        f"speculative rules. {prompts}. Speedups: ratio of total times [95% CI]; tau: tokens per target forward; "
-        "lossless: prompts whose tokens equal plain decoding's.",
+        f"{'fp32 unless a row names another precision' if precision else 'precision not recorded'}, torch {meta.get('torch', 'not recorded')}: "
+        "transformers' `generate` (eager, compiled), ppow_trl's compiled runtime (fp32 and int8 targets), plain and "
+        "with the served speculative rules, and llama.cpp where the run has it. "
+        f"{prompts}. Speedups: ratio of total times [95% CI]; tau: tokens per target forward; lossless: prompts "
+        "whose tokens equal plain decoding's at the same precision and runtime.",
         "",
         *table(header, rows)[:-1],
         "",
