@@ -115,6 +115,42 @@ def test_speculative_on_the_compiled_route_is_the_compiled_plain_text(models):
     assert agree_with_eager >= 3  # other kernels than eager: a near tie may flip, rarely
 
 
+def test_an_int8_target_serves_compiled_and_speculative_equals_plain_at_int8(models):
+    """``serving_runtime(..., precision="int8")``: the converted target's graphs on the compiled runtime (no
+    recompile while serving), greedy speculative decoding equal to plain decoding on that int8 target, and the int8
+    target's text close to the fp32 model's (quantizing may flip a token where two are close)."""
+    from ppow_trl.serving.precision import precision_of
+    from ppow_trl.serving.runtime import serving_runtime
+
+    target, close, _ = models
+    served = serving_runtime(target, close, runtime="compiled", max_window=MAX_ROWS - 1, max_cache_len=96,
+                             precision="int8", progress=False)
+    assert served.name == "compiled" and served.precision == "int8" and precision_of(served.verifier) == "int8"
+    policy = AdaptiveWindowPolicy(MAX_ROWS - 1, 0.0)
+    graphs, same_as_fp32 = _graphs(), 0
+    for seed in range(3):
+        prompt = torch.randint(8, 64, (1, 6), generator=torch.Generator().manual_seed(20 + seed))
+        with torch.no_grad():
+            plain = speculative_generate(served.target, served.drafter, prompt, policy=AdaptiveWindowPolicy(0),
+                                         max_new_tokens=24, eos_token_id=[])
+            fast = speculative_generate(served.target, served.drafter, prompt, policy=policy, max_new_tokens=24,
+                                        eos_token_id=[])
+            fp32 = greedy_continuation(target, prompt[0].tolist(), 24, 64)
+        assert fast.tau > 1.0
+        same_as_fp32 += sum(a == b for a, b in zip(plain.new_tokens, fp32)) / 24
+        differ = [i for i, (a, b) in enumerate(zip(fast.new_tokens, plain.new_tokens)) if a != b]
+        if differ:  # only at a near tie of the plain step's bf16 logits (the int8 graphs' rows are not bitwise
+            # independent of the row count, unlike fp32's): the two tokens' logits within a few bf16 steps
+            i = differ[0]
+            with torch.no_grad():
+                logits = served.verifier(torch.cat([prompt, torch.tensor([plain.new_tokens[:i]])], dim=1)).logits[0, -1]
+            gap = abs(float(logits[plain.new_tokens[i]]) - float(logits[fast.new_tokens[i]]))
+            print(f"prompt {seed}: first difference at {i}, logit gap {gap:.4f}, top logit {float(logits.max()):.3f}")
+            assert gap <= 4 * 2**-8 * float(logits.abs().max())
+    assert _graphs() == graphs  # nothing compiled while serving
+    assert same_as_fp32 / 3 > 0.5
+
+
 def test_compile_cache_is_keyed_by_settings_and_machine(tmp_path):
     a = compile_cache_dir(CompileSettings(), tmp_path)
     assert a == compile_cache_dir(CompileSettings(), tmp_path)
