@@ -1,6 +1,7 @@
 """The target's serving precision (``ppow_trl.serving.precision``): int8 weight-only layers against the formula they
-state, conversion of a copy, and lossless speculative decoding at one precision (speculative == plain on the same
-int8 target)."""
+state, conversion of a copy, and speculative == plain decoding on the same converted target on the eager runtime
+(the compiled int8 graphs, whose rows depend on the row count, are checked in ``test_compiled.py``: there a token
+may differ at a near tie of the bf16 logits)."""
 
 from __future__ import annotations
 

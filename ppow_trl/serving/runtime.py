@@ -235,6 +235,11 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
         raise ValueError(f"serving_runtime needs an integer max_window >= 0 and max_cache_len > max_window + 1, got "
                          f"max_window={max_window!r}, max_cache_len={max_cache_len!r}.")
     target = serving_precision(target, precision)
+    if precision != "fp32" and drafter is not None:
+        logger.warning("Speculative decoding on a %s target is not lossless today: its logits are bf16 (ties) and the "
+                       "compiled graphs' rows depend on the row count, so speculation may pick another token than "
+                       "plain %s decoding at a near tie. For lossless speculation serve the fp32 target.",
+                       precision, precision)
     if runtime == "eager":
         return ServingRuntime(target, drafter, "eager", runtime, precision=precision)
     reason = compile_unavailable_reason(target, drafter)
