@@ -151,10 +151,57 @@ def test_an_int8_target_serves_compiled_and_speculative_equals_plain_at_int8(mod
     assert same_as_fp32 / 3 > 0.5
 
 
+def _rows_differing_from_one_row_at_a_time(compiled, ids, prefix: int) -> list[int]:
+    """For each row count L = 2..max_rows: how many rows of one L-row call differ (in any bit) from the same positions
+    scored one row at a time (decode steps) over the same cache."""
+    with torch.no_grad():
+        cache = compiled.new_cache()
+        compiled(input_ids=ids[:, :prefix], cache=cache)
+        one_at_a_time = [compiled(input_ids=ids[:, i:i + 1], cache=cache).logits[0, -1]
+                         for i in range(prefix, prefix + compiled.max_rows)]
+        differing = []
+        for rows in range(2, compiled.max_rows + 1):
+            crop_cache(cache, prefix)
+            out = compiled(input_ids=ids[:, prefix:prefix + rows], cache=cache).logits[0]
+            differing.append(sum(not torch.equal(out[r], one_at_a_time[r]) for r in range(rows)))
+    return differing
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_row_independent_graphs_verify_bitwise_what_decode_steps_compute(models, precision, caplog):
+    """``CompileSettings(row_independent=True)``: every row of a verify pass is bitwise the decode step's row, so
+    greedy speculative decoding gives plain decoding's tokens by construction, also at int8 (bf16 logits, near ties),
+    and serving_runtime does not warn. (With the default settings the tiny Llama's fp32 rows differed by about 1e-4
+    and its int8 rows by up to 5.)"""
+    import copy
+
+    from ppow_trl.serving.runtime import serving_runtime
+
+    # their own models: one set of compile settings per model in a process
+    target, close = copy.deepcopy(models[0]), copy.deepcopy(models[1])
+    with caplog.at_level("WARNING"):
+        served = serving_runtime(target, close, runtime="compiled", max_window=MAX_ROWS - 1, max_cache_len=96,
+                                 precision=precision, settings=CompileSettings(row_independent=True), progress=False)
+    assert served.name == "compiled" and "row-independent" in served.describe()
+    assert "not lossless" not in caplog.text
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(5))
+    assert _rows_differing_from_one_row_at_a_time(served.target, ids, prefix=17) == [0] * (MAX_ROWS - 1)
+    policy = AdaptiveWindowPolicy(MAX_ROWS - 1, 0.0)
+    for seed in range(3):
+        prompt = torch.randint(8, 64, (1, 6), generator=torch.Generator().manual_seed(20 + seed))
+        with torch.no_grad():
+            plain = speculative_generate(served.target, served.drafter, prompt, policy=AdaptiveWindowPolicy(0),
+                                         max_new_tokens=24, eos_token_id=[])
+            fast = speculative_generate(served.target, served.drafter, prompt, policy=policy, max_new_tokens=24,
+                                        eos_token_id=[])
+        assert fast.tau > 1.0 and fast.new_tokens == plain.new_tokens
+
+
 def test_compile_cache_is_keyed_by_settings_and_machine(tmp_path):
     a = compile_cache_dir(CompileSettings(), tmp_path)
     assert a == compile_cache_dir(CompileSettings(), tmp_path)
     assert a != compile_cache_dir(CompileSettings(max_autotune=False), tmp_path)
+    assert a != compile_cache_dir(CompileSettings(row_independent=True), tmp_path)
     assert a.parent == tmp_path / "inductor"
 
 

@@ -1,7 +1,7 @@
 """The target's serving precision (``ppow_trl.serving.precision``): int8 weight-only layers against the formula they
-state, conversion of a copy, and speculative == plain decoding on the same converted target on the eager runtime
-(the compiled int8 graphs, whose rows depend on the row count, are checked in ``test_compiled.py``: there a token
-may differ at a near tie of the bf16 logits)."""
+state, conversion of a copy, and speculative == plain decoding on the same converted target on the eager runtime,
+with a warning (on a real model PyTorch's bf16 kernels round a verify pass a little differently from a decode step,
+so a token may differ at a near tie; the compiled int8 graphs are checked in ``test_compiled.py``)."""
 
 from __future__ import annotations
 
@@ -57,10 +57,12 @@ def test_serving_precision_converts_a_copy_and_keeps_the_fp32_model():
 
 
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
-def test_speculative_decoding_on_a_converted_target_equals_plain_decoding_on_it(precision):
+def test_speculative_decoding_on_a_converted_target_equals_plain_decoding_on_it(precision, caplog):
     target, _, drafter = make_target_and_drafters(seed=0, noise=0.01)
     target.generation_config.eos_token_id = None
-    runtime = serving_runtime(target, drafter, runtime="eager", max_window=3, precision=precision)
+    with caplog.at_level("WARNING"):
+        runtime = serving_runtime(target, drafter, runtime="eager", max_window=3, precision=precision)
+    assert f"{precision} target is not lossless" in caplog.text
     assert runtime.precision == precision and precision_of(runtime.verifier) == precision
     assert precision in runtime.describe()
     g = torch.Generator().manual_seed(1)

@@ -17,6 +17,12 @@ How:
   silent minute-long stall.
 - Inductor's on-disk cache lives under ``cache_root() / "inductor" / <key>``, the key naming torch's version, the CPU's
   instruction sets, the thread count and the settings (inductor's own key does not name the CPU).
+- A row's logits may differ in the last bits with the number of rows one call scores: inductor lowers PyTorch's
+  attention for one query row into a product and a sum but for several rows into a GEMM, and at bf16 it rounds an
+  intermediate only where a kernel stores it, while which ops fuse depends on the row count. In fp32 greedy tokens
+  rarely change (SmolLM2: speculative equal to plain on every benchmark prompt); at bf16/int8 they do at near ties.
+  ``CompileSettings(row_independent=True)`` removes both causes (``ppow_trl.serving.attention``'s row-wise attention,
+  inductor's ``emulate_precision_casts``): a verify pass's rows are bitwise the decode steps', at a cost in speed.
 - Rolling back after a rejected window is ``crop_cache``: a static cache only moves its length back; the stale rows
   are masked, then overwritten.
 
@@ -42,6 +48,7 @@ import torch
 import torch._inductor.config
 
 from ..utils import cache_root, cpu_flags
+from .attention import rowwise_attention
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +64,26 @@ class CompileSettings:
             2-4 row verify cost 0.96-1.03 steps; freezing alone gained 1.1x and kept eager's 1.6-2x verify costs
             (benchmarks/results/compiled_runtime_settings.md).
         gemm_backends: ``max_autotune_gemm_backends``, e.g. ``"CPP,ATEN"``.
+        row_independent: compile so that a row's logits do not depend on how many rows one call scores, so that
+            greedy speculative decoding gives plain decoding's tokens bitwise, by construction, at every precision
+            (module docstring). Off by default, because it costs speed: SmolLM2 on an AMD EPYC at 1 thread, fp32
+            t_t 33.7 ms and t_v(2..5)/t_t 1.03/1.17/1.29/1.89 (29-31 ms and 1.01/1.05/1.02/1.50 without), int8 t_t
+            29.3 ms (17.4 ms without).
         extra: more inductor options, passed as they are.
     """
 
     freezing: bool = True
     max_autotune: bool = True
     gemm_backends: str = "CPP,ATEN"
+    row_independent: bool = False
     extra: dict = field(default_factory=dict)
 
     def options(self) -> dict:
         options = {"freezing": self.freezing, "max_autotune": self.max_autotune, **self.extra}
+        if self.row_independent:
+            # Round bf16 intermediates where eager would, also inside fused kernels: which ops fuse depends on the
+            # row count (a 10-layer int8 Llama: every verified row differed from the decode step's without it).
+            options["emulate_precision_casts"] = True
         if self.max_autotune:
             options["max_autotune_gemm_backends"] = self.gemm_backends
         return options
@@ -75,14 +92,19 @@ class CompileSettings:
         parts = ["freezing" if self.freezing else "no-freezing"]
         if self.max_autotune:
             parts.append(f"max-autotune[{self.gemm_backends}]")
+        if self.row_independent:
+            parts.append("row-independent")
         parts += [f"{k}={v}" for k, v in sorted(self.extra.items())]
         return "+".join(parts)
 
 
 def compile_cache_dir(settings: CompileSettings, root: Path | None = None) -> Path:
     """``cache_root()/inductor/<key>``: one inductor cache per torch build, CPU instruction sets, threads, settings."""
+    options = asdict(settings)
+    if not settings.row_independent:
+        del options["row_independent"]  # the default: caches made before the option existed stay valid
     key = {"torch": torch.__version__, "cpu": sorted(cpu_flags()), "threads": torch.get_num_threads(),
-           "settings": asdict(settings)}
+           "settings": options}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return (root or cache_root()) / "inductor" / digest
 
@@ -171,8 +193,11 @@ class CompiledCausalLM(torch.nn.Module):
                              "torch._dynamo.reset() and compile again.")
         self.cache_dir = use_compile_cache(self.settings)
         # One compiled function; dynamo compiles one graph per row count (dynamic=False) and guards on the shape.
-        # Every graph of every compiled model shares dynamo's per-code recompile limit (8 by default).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * (self.max_rows + 2))
+        # Every graph of every compiled model shares dynamo's per-code recompile limit (8 by default): each runtime
+        # made in a process adds its row counts to it (a test process that built six runtimes hit a fixed limit of 24
+        # and served eagerly; after the warm-up a recompile is an error anyway).
+        torch._dynamo.config.recompile_limit = (max(torch._dynamo.config.recompile_limit, 4 * (self.max_rows + 2))
+                                                + self.max_rows + 2)
         # The settings go through inductor's global config, patched around every call (compiling happens at the
         # first call of each shape): passed as torch.compile(options=...), max-autotune's C++ GEMM template was never
         # chosen (SmolLM2's lm head: 9.7/24.0/35.7 ms for 1/2/3 rows either way, 4.5/4.2/3.8 ms with the config set).
@@ -252,11 +277,11 @@ class CompiledCausalLM(torch.nn.Module):
         return out
 
     def _call_compiled(self, input_ids, position_ids, cache):
-        """The compiled graph of this row count; after ``warm_up`` a shape it did not compile is an error."""
-        if self.warm:
-            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
-                return self._compiled(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
-        with torch.no_grad(), compile_context(self.settings):
+        """The compiled graph of this row count (with row-wise attention when ``settings.row_independent``); after
+        ``warm_up`` a shape it did not compile is an error."""
+        stance = (torch.compiler.set_stance("fail_on_recompile") if self.warm else compile_context(self.settings))
+        attention = rowwise_attention(self.model) if self.settings.row_independent else contextlib.nullcontext()
+        with torch.no_grad(), attention, stance:
             return self._compiled(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
 
     @torch.no_grad()

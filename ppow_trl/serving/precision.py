@@ -12,10 +12,13 @@ fp32 weights per token; 19 GB/s at one thread on an AMD EPYC). Precisions offere
   tied lm head gets its own int8 copy.
 
 ``serving_precision(model, precision)`` returns a converted copy (the fp32 model is left as it is: calibration and
-the benchmarks compare against it). Lossless is a property of one precision and one set of kernels, and on the
-compiled int8 target speculation is not lossless today: its logits are bf16 (ties are common) and its graphs' rows
-depend on the row count, so a verify pass may pick another token than plain int8 decoding at a near tie (MT-bench:
-13-17 of 56 prompts equal). Use int8 for plain decoding; ``serving_runtime`` warns when a drafter serves on it."""
+the benchmarks compare against it). Lossless is a property of one precision and one set of kernels. At bf16 and int8
+the logits are bf16, so near ties are common, and with the default kernels a verify pass rounds a little
+differently from a decode step (``ppow_trl.serving.compiled``): speculation may then pick another token than plain
+decoding at that precision (MT-bench, compiled int8: equal on 13-17 of 56 prompts), and ``serving_runtime`` warns.
+``CompileSettings(row_independent=True)`` makes the compiled rows bitwise independent of the row count, so that
+speculation on an int8 target gives plain int8 decoding's tokens, at a cost in speed that today takes back int8's
+gain."""
 
 from __future__ import annotations
 

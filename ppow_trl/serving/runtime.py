@@ -235,16 +235,14 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
         raise ValueError(f"serving_runtime needs an integer max_window >= 0 and max_cache_len > max_window + 1, got "
                          f"max_window={max_window!r}, max_cache_len={max_cache_len!r}.")
     target = serving_precision(target, precision)
-    if precision != "fp32" and drafter is not None:
-        logger.warning("Speculative decoding on a %s target is not lossless today: its logits are bf16 (ties) and the "
-                       "compiled graphs' rows depend on the row count, so speculation may pick another token than "
-                       "plain %s decoding at a near tie. For lossless speculation serve the fp32 target.",
-                       precision, precision)
     if runtime == "eager":
+        _warn_low_precision(precision, drafter)
         return ServingRuntime(target, drafter, "eager", runtime, precision=precision)
     reason = compile_unavailable_reason(target, drafter)
+    settings = settings or CompileSettings()
+    if not settings.row_independent:  # with it the compiled rows are lossless (its eager fallback warns below)
+        _warn_low_precision(precision, drafter)
     if reason is None:
-        settings = settings or CompileSettings()
         try:
             compiled_target = CompiledCausalLM(target, max_rows=max_window + 1, max_cache_len=max_cache_len,
                                                settings=settings)
@@ -266,4 +264,16 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
         except Exception as error:  # noqa: BLE001 - any failure to compile means: serve eagerly, say why
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
     logger.warning("Compiled runtime unavailable (%s); serving eagerly.", reason)
+    if settings.row_independent:  # not warned above
+        _warn_low_precision(precision, drafter)
     return ServingRuntime(target, drafter, "eager", runtime, fallback=reason, precision=precision)
+
+
+def _warn_low_precision(precision: str, drafter) -> None:
+    """Speculation on a bf16/int8 target is not lossless unless its rows are independent of the row count
+    (``ppow_trl.serving.precision``): say so."""
+    if precision != "fp32" and drafter is not None:
+        logger.warning("Speculative decoding on a %s target is not lossless: its logits are bf16 (near ties) and a "
+                       "verify pass rounds a little differently from a decode step, so speculation may pick another "
+                       "token than plain %s decoding. For lossless speculation serve the fp32 target, or compile with "
+                       "CompileSettings(row_independent=True) (slower).", precision, precision)

@@ -1,0 +1,82 @@
+"""Row-wise attention (ppow_trl.serving.attention): transformers' attention formula, rows independent of each other.
+
+The compiled runtime traces it so that a row's logits do not depend on how many rows one forward scores
+(tests/test_compiled.py checks that bitwise on compiled graphs); here: the formula against transformers' eager
+attention (grouped-query heads, a causal mask over a longer static cache), the eager fallback equal to the traced
+form, and a model switched to it inside ``rowwise_attention`` and back after it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from ppow_trl.serving.attention import ROWWISE_ATTENTION, rowwise_attention, rowwise_attention_forward
+
+
+class _Module(torch.nn.Module):
+    num_key_value_groups = 3
+
+
+def _inputs(rows: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(rows)
+    query = torch.randn(1, 6, rows, 16, generator=g).to(dtype)
+    key = torch.randn(1, 2, 40, 16, generator=g).to(dtype)
+    value = torch.randn(1, 2, 40, 16, generator=g).to(dtype)
+    past = 30  # rows sit at positions past..past+rows-1 of a 40-position cache; later positions are masked
+    allowed = torch.arange(40)[None, :] <= (past + torch.arange(rows))[:, None]
+    mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+    return query, key, value, mask
+
+
+def _brute_force(query, key, value, mask, scaling):
+    """o_id = sum_j softmax_j(scale * q_i . k_j + mask_ij) v_jd, one query head at a time, in float64."""
+    q, k, v, m = (t.double() for t in (query, key, value, mask))
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=torch.float64)
+    for h in range(q.shape[1]):
+        kv = h // 3  # grouped-query attention: 3 query heads per key/value head
+        for i in range(q.shape[2]):
+            scores = torch.stack([scaling * (q[0, h, i] @ k[0, kv, j]) + m[0, 0, i, j] for j in range(k.shape[2])])
+            out[0, i, h] = torch.softmax(scores, 0) @ v[0, kv]
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_rowwise_attention_is_the_attention_formula(rows):
+    query, key, value, mask = _inputs(rows)
+    out, weights = rowwise_attention_forward(_Module(), query, key, value, mask, scaling=0.25)
+    assert weights is None and out.shape == (1, rows, 6, 16)
+    torch.testing.assert_close(out.double(), _brute_force(query, key, value, mask, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_the_traced_form_equals_the_eager_fallback_and_rounds_once(monkeypatch):
+    """Under torch.compile the scores and the output are a product and a sum (the eager path uses matmuls); in bf16
+    both compute in fp32 and round once, at the output."""
+    query, key, value, mask = _inputs(3, torch.bfloat16)
+    eager, _ = rowwise_attention_forward(_Module(), query, key, value, mask, scaling=0.25)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced, _ = rowwise_attention_forward(_Module(), query, key, value, mask, scaling=0.25)
+    assert eager.dtype == traced.dtype == torch.bfloat16
+    torch.testing.assert_close(traced.float(), eager.float(), atol=0, rtol=2**-8)  # at most a rounding step apart
+    reference = _brute_force(query.float(), key.float(), value.float(), mask.float(), 0.25)
+    assert (traced.double() - reference).abs().max() <= 2**-8 * reference.abs().max()  # fp32 math, one bf16 rounding
+
+
+def test_a_model_runs_rowwise_attention_only_inside_the_block():
+    model = make_tiny_llama(num_layers=2, seed=0).eval()
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    before = model.config._attn_implementation
+    with torch.no_grad():
+        reference = model(ids).logits
+        with rowwise_attention(model):
+            assert model.config._attn_implementation == ROWWISE_ATTENTION
+            rowwise = model(ids).logits
+    assert model.config._attn_implementation == before
+    torch.testing.assert_close(rowwise, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_rowwise_attention_refuses_dropout_in_training():
+    module = _Module().train()
+    with pytest.raises(ValueError, match="serving"):
+        rowwise_attention_forward(module, *_inputs(1), scaling=0.25, dropout=0.1)
