@@ -171,7 +171,7 @@ def _rows_differing_from_one_row_at_a_time(compiled, ids, prefix: int) -> list[i
 def test_row_independent_graphs_verify_bitwise_what_decode_steps_compute(models, precision, caplog):
     """``CompileSettings(row_independent=True)``: every row of a verify pass is bitwise the decode step's row, so
     greedy speculative decoding gives plain decoding's tokens by construction, also at int8 (bf16 logits, near ties),
-    and serving_runtime does not warn. (With the default settings the tiny Llama's fp32 rows differed by about 1e-4
+    and serving_runtime does not warn. (With the default settings a small random Llama's fp32 rows differed by 1e-4
     and its int8 rows by up to 5.)"""
     import copy
 

@@ -18,8 +18,9 @@ the product. It is registered with transformers' ``AttentionInterface`` as ``"pp
 implementation's additive mask), and the compiled runtime traces its graphs with it under
 ``CompileSettings(row_independent=True)`` (``rowwise_attention``).
 
-Its cost: the sums are not GEMM kernels. SmolLM2 fp32 on an AMD EPYC (1 thread): decode step 33.7 ms against 29-31
-ms with PyTorch's attention, and a 5-row verify 1.89 steps against 1.50.
+Its cost: the sums are not GEMM kernels, so a verify pass of several rows gets dearer. SmolLM2 fp32 on an AMD EPYC
+(1 thread, benchmarks/row_independence.py): the decode step about the same, a 5-row verify 1.97 steps against 1.41
+with PyTorch's attention.
 """
 
 from __future__ import annotations

@@ -66,9 +66,9 @@ class CompileSettings:
         gemm_backends: ``max_autotune_gemm_backends``, e.g. ``"CPP,ATEN"``.
         row_independent: compile so that a row's logits do not depend on how many rows one call scores, so that
             greedy speculative decoding gives plain decoding's tokens bitwise, by construction, at every precision
-            (module docstring). Off by default, because it costs speed: SmolLM2 on an AMD EPYC at 1 thread, fp32
-            t_t 33.7 ms and t_v(2..5)/t_t 1.03/1.17/1.29/1.89 (29-31 ms and 1.01/1.05/1.02/1.50 without), int8 t_t
-            29.3 ms (17.4 ms without).
+            (module docstring). Off by default, because it costs speed (benchmarks/row_independence.py; SmolLM2, AMD
+            EPYC, 1 thread): fp32 decode step about the same (31.9 vs 32.5 ms) but t_v(2..5)/t_t 1.06/1.18/1.31/1.97
+            against 0.94/0.98/0.91/1.41; int8 decode step 28.9 ms against 16.8 ms.
         extra: more inductor options, passed as they are.
     """
 
