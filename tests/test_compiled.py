@@ -115,6 +115,17 @@ def test_speculative_on_the_compiled_route_is_the_compiled_plain_text(models):
     assert agree_with_eager >= 3  # other kernels than eager: a near tie may flip, rarely
 
 
+def _plain_and_speculative(served, seed: int):
+    """A random 6-token prompt; greedy plain (K = 0) and speculative (K = max, h = 0) decoding of 24 tokens on it."""
+    prompt = torch.randint(8, 64, (1, 6), generator=torch.Generator().manual_seed(20 + seed))
+    with torch.no_grad():
+        plain = speculative_generate(served.target, served.drafter, prompt, policy=AdaptiveWindowPolicy(0),
+                                     max_new_tokens=24, eos_token_id=[])
+        fast = speculative_generate(served.target, served.drafter, prompt,
+                                    policy=AdaptiveWindowPolicy(MAX_ROWS - 1, 0.0), max_new_tokens=24, eos_token_id=[])
+    return prompt, plain, fast
+
+
 def test_an_int8_target_serves_compiled_and_speculative_equals_plain_at_int8(models):
     """``serving_runtime(..., precision="int8")``: the converted target's graphs on the compiled runtime (no
     recompile while serving), greedy speculative decoding equal to plain decoding on that int8 target, and the int8
@@ -126,15 +137,10 @@ def test_an_int8_target_serves_compiled_and_speculative_equals_plain_at_int8(mod
     served = serving_runtime(target, close, runtime="compiled", max_window=MAX_ROWS - 1, max_cache_len=96,
                              precision="int8", progress=False)
     assert served.name == "compiled" and served.precision == "int8" and precision_of(served.verifier) == "int8"
-    policy = AdaptiveWindowPolicy(MAX_ROWS - 1, 0.0)
     graphs, same_as_fp32 = _graphs(), 0
     for seed in range(3):
-        prompt = torch.randint(8, 64, (1, 6), generator=torch.Generator().manual_seed(20 + seed))
+        prompt, plain, fast = _plain_and_speculative(served, seed)
         with torch.no_grad():
-            plain = speculative_generate(served.target, served.drafter, prompt, policy=AdaptiveWindowPolicy(0),
-                                         max_new_tokens=24, eos_token_id=[])
-            fast = speculative_generate(served.target, served.drafter, prompt, policy=policy, max_new_tokens=24,
-                                        eos_token_id=[])
             fp32 = greedy_continuation(target, prompt[0].tolist(), 24, 64)
         assert fast.tau > 1.0
         same_as_fp32 += sum(a == b for a, b in zip(plain.new_tokens, fp32)) / 24
@@ -186,14 +192,8 @@ def test_row_independent_graphs_verify_bitwise_what_decode_steps_compute(models,
     assert "not lossless" not in caplog.text
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(5))
     assert _rows_differing_from_one_row_at_a_time(served.target, ids, prefix=17) == [0] * (MAX_ROWS - 1)
-    policy = AdaptiveWindowPolicy(MAX_ROWS - 1, 0.0)
     for seed in range(3):
-        prompt = torch.randint(8, 64, (1, 6), generator=torch.Generator().manual_seed(20 + seed))
-        with torch.no_grad():
-            plain = speculative_generate(served.target, served.drafter, prompt, policy=AdaptiveWindowPolicy(0),
-                                         max_new_tokens=24, eos_token_id=[])
-            fast = speculative_generate(served.target, served.drafter, prompt, policy=policy, max_new_tokens=24,
-                                        eos_token_id=[])
+        _, plain, fast = _plain_and_speculative(served, seed)
         assert fast.tau > 1.0 and fast.new_tokens == plain.new_tokens
 
 

@@ -32,26 +32,18 @@ import torch
 ROWWISE_ATTENTION = "ppow_rowwise"
 
 
-def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
-    """(batch, kv_heads, positions, dim) -> (batch, kv_heads * groups, positions, dim): each key/value head serves
-    ``groups`` query heads (grouped-query attention)."""
-    if groups == 1:
-        return states
-    batch, heads, positions, dim = states.shape
-    return states[:, :, None].expand(batch, heads, groups, positions, dim).reshape(batch, heads * groups, positions,
-                                                                                    dim)
-
-
 def rowwise_attention_forward(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
                               **kwargs):
     """transformers' attention signature (``AttentionInterface``); the formula is in the module docstring. Returns
     ``(output (batch, rows, heads, dim), None)``: no attention weights are kept."""
     if dropout and module.training:
         raise ValueError("The row-wise attention is for serving (eval mode, no dropout).")
+    from transformers.integrations.sdpa_attention import repeat_kv  # each key/value head serves `groups` query heads
+
     groups = getattr(module, "num_key_value_groups", 1)
     q = query.float()
-    k = _repeat_kv(key, groups).float()
-    v = _repeat_kv(value, groups).float()
+    k = repeat_kv(key, groups).float()
+    v = repeat_kv(value, groups).float()
     compiled = torch.compiler.is_compiling()
     # scores[b, h, i, j] = sum_d q[b, h, i, d] k[b, h, j, d]. Compiled, it is written as a product and a sum, not a
     # matmul, so that one row and several rows run the same reduction (module docstring). Eagerly (a prompt's
