@@ -1,10 +1,16 @@
 """Does a verify pass compute bitwise what decode steps compute, and what does making it so cost?
 
-For each precision (fp32, int8) and ``CompileSettings(row_independent=False | True)``, SmolLM2-135M-Instruct served by
-``serving_runtime`` (compiled, K_max = 4, 512-position cache): plain-decode 40 tokens after an MT-bench-style prompt,
-then verify the same tokens in windows of L = 2..5 rows from the same cache states, and count the rows whose logits
-differ in any bit from the decode step's; then the median decode step t_t (60 calls) and t_v(L)/t_t over a 200-token
-context. Each configuration runs in its own process, one after the other (nothing else should run beside it).
+For each precision (fp32, int8) and ``CompileSettings(row_independent=True | False)`` (True is the default: attention
+padded to K_max + 1 query rows, ``ppow_trl.serving.attention``), SmolLM2-135M-Instruct served by ``serving_runtime``
+(compiled, K_max = 4, 512-position cache):
+
+- rows: plain-decode 40 tokens after an MT-bench-style prompt, then verify the same tokens in windows of L = 2..5 rows
+  from the same cache states, and count the rows whose logits differ in any bit from the decode step's (one process
+  per configuration);
+- costs: the four configurations in one process, their calls interleaved (each round times one call of every row
+  count of every configuration, in a rotating order) over a 200-token context: the median decode step t_t with its
+  95% CI, t_v(L)/t_t, and row_independent=True against False at the same precision (ratio of medians, 95% bootstrap
+  CI).
 
     python benchmarks/row_independence.py            # writes benchmarks/results/row_independence.json
 """
@@ -19,11 +25,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "row_independence.json"
-CONFIGS = [("fp32", True), ("int8", True), ("fp32", False), ("int8", False)]  # the cold compiles first
+CONFIGS = [("fp32", True), ("int8", True), ("fp32", False), ("int8", False)]  # the defaults first
 
 
 def child(precision: str, row_independent: bool, threads: int) -> dict:
-    import statistics
     import time
 
     import torch
@@ -69,36 +74,83 @@ def child(precision: str, row_independent: bool, threads: int) -> dict:
                 differing[rows] += sum(not torch.equal(out[r], decoded[start + r]) for r in range(rows))
                 compared[rows] += rows
 
-        context = torch.randint(100, 40000, (1, 200), generator=torch.Generator().manual_seed(0))
-
-        def step_ms(rows: int, calls: int = 60) -> float:
-            cache = model.new_cache()
-            model(input_ids=context, cache=cache)
-            ids = torch.tensor([tokens[:rows]])
-            times = []
-            for _ in range(calls + 3):
-                t0 = time.perf_counter()
-                model(input_ids=ids, cache=cache)
-                times.append(time.perf_counter() - t0)
-                cache.crop(-rows)
-            return statistics.median(times[3:]) * 1e3
-
-        t_t = step_ms(1)
-        t_v = {rows: round(step_ms(rows) / t_t, 3) for rows in (2, 3, 4, 5)}
     return {"precision": precision, "row_independent": row_independent, "runtime": served.describe(),
             "warm_up_s": round(warm_up_s, 1), "rows_differing": {str(k): f"{differing[k]}/{compared[k]}"
                                                                   for k in differing},
-            "t_t_ms": round(t_t, 2), "t_v(L)/t_t for L = 2..5 rows": [t_v[r] for r in (2, 3, 4, 5)]}
+}
+
+
+def timing_child(threads: int, rounds: int) -> dict:
+    """The four configurations in one process (a copy of the target each: one set of compile settings per model),
+    their calls interleaved round by round; medians and bootstrap intervals (module docstring)."""
+    import copy
+    import statistics
+    import time
+
+    import torch
+
+    from ppow_trl.models import load_target
+    from ppow_trl.offline import smollm2_path
+    from ppow_trl.serving.compiled import CompileSettings
+    from ppow_trl.serving.runtime import serving_runtime
+    from ppow_trl.utils import set_cpu_threads
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.llama_cpp_amx_build import bootstrap_ratio_ci
+    from benchmarks.speedup import bootstrap_median
+
+    set_cpu_threads(threads)
+    base = load_target(smollm2_path()).eval()
+    models = {config: serving_runtime(copy.deepcopy(base), None, runtime="compiled", max_window=4, max_cache_len=512,
+                                      precision=config[0], settings=CompileSettings(row_independent=config[1]),
+                                      progress=False).target
+              for config in CONFIGS}
+    context = torch.randint(100, 40000, (1, 200), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, 40000, (1, 5), generator=torch.Generator().manual_seed(1))
+    samples = {config: {rows: [] for rows in range(1, 6)} for config in CONFIGS}
+    with torch.no_grad():
+        caches = {}
+        for config, model in models.items():
+            caches[config] = model.new_cache()
+            model(input_ids=context, cache=caches[config])
+        for round_ in range(rounds + 3):  # 3 rounds of warm-up, not kept
+            order = CONFIGS[round_ % len(CONFIGS):] + CONFIGS[:round_ % len(CONFIGS)]
+            for config in order:
+                for rows in range(1, 6):
+                    started = time.perf_counter()
+                    models[config](input_ids=ids[:, :rows], cache=caches[config])
+                    elapsed = (time.perf_counter() - started) * 1e3
+                    caches[config].crop(-rows)
+                    if round_ >= 3:
+                        samples[config][rows].append(elapsed)
+    out = {}
+    for precision, row_independent in CONFIGS:
+        times = samples[(precision, row_independent)]
+        t_t = statistics.median(times[1])
+        entry = {"t_t_ms": round(t_t, 2), "t_t_ci_ms": [round(x, 2) for x in bootstrap_median(times[1])],
+                 "t_v(L)/t_t for L = 2..5 rows": [round(statistics.median(times[r]) / t_t, 3) for r in (2, 3, 4, 5)]}
+        if row_independent:  # against the other settings at this precision, side by side
+            other = samples[(precision, False)]
+            entry["vs row_independent=False, t(L) ratio for L = 1..5 [95% CI]"] = [
+                [round(statistics.median(times[r]) / statistics.median(other[r]), 3),
+                 bootstrap_ratio_ci(times[r], other[r])] for r in range(1, 6)]
+        out[f"{precision}/{'row_independent' if row_independent else 'default_attention'}"] = entry
+    return {"rounds": rounds, "timings": out}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--rounds", type=int, default=60, help="interleaved timing rounds")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--timing-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1] == "1", args.threads)))
+        return
+    if args.timing_child:
+        print(json.dumps(timing_child(args.threads, args.rounds)))
         return
     sys.path.insert(0, str(REPO))
     from benchmarks.llama_cpp_amx_build import cpu_description
@@ -112,11 +164,18 @@ def main() -> None:
                               "1" if row_independent else "0"], capture_output=True, text=True, check=True)
         results.append(json.loads(run.stdout.strip().splitlines()[-1]))
         print(json.dumps(results[-1]), flush=True)
+    print("timing, all configurations interleaved ...", flush=True)
+    run = subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--rounds", str(args.rounds),
+                          "--timing-child"], capture_output=True, text=True, check=True)
+    timing = json.loads(run.stdout.strip().splitlines()[-1])
+    for result in results:
+        result.update(timing["timings"][f"{result['precision']}/"
+                                        f"{'row_independent' if result['row_independent'] else 'default_attention'}"])
     out = {"meta": {"cpu": cpu_description(), "torch": torch.__version__, "threads": args.threads,
                     "model": "SmolLM2-135M-Instruct", "runtime": "compiled (serving_runtime, K_max = 4, 512 positions)",
                     "command": "python benchmarks/row_independence.py" + (f" --threads {args.threads}"
                                                                          if args.threads != 1 else "")},
-           "results": results}
+           "timing_rounds": timing["rounds"], "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -1,9 +1,9 @@
-"""Row-wise attention (ppow_trl.serving.attention): transformers' attention formula, rows independent of each other.
+"""Fixed-rows attention (ppow_trl.serving.attention): transformers' attention formula, every call the same shapes.
 
 The compiled runtime traces it so that a row's logits do not depend on how many rows one forward scores
-(tests/test_compiled.py checks that bitwise on compiled graphs); here: the formula against transformers' eager
-attention (grouped-query heads, a causal mask over a longer static cache), the eager fallback equal to the traced
-form, and a model switched to it inside ``rowwise_attention`` and back after it.
+(tests/test_compiled.py checks that bitwise on compiled graphs); here: the formula against a float64 brute force
+(grouped-query heads, a causal mask over a longer static cache), padded and unpadded, a real row's output not
+changed by the rows beside it, and a model switched to it inside ``fixed_rows_attention`` and back after it.
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from ppow_trl.serving.attention import ROWWISE_ATTENTION, rowwise_attention, rowwise_attention_forward
+from ppow_trl.serving.attention import (FIXED_ROWS_ATTENTION, fixed_rows_attention,
+                                        fixed_rows_attention_forward)
 
 
 class _Module(torch.nn.Module):
     num_key_value_groups = 3
 
 
-def _inputs(rows: int, dtype=torch.float32):
-    g = torch.Generator().manual_seed(rows)
+def _inputs(rows: int, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     query = torch.randn(1, 6, rows, 16, generator=g).to(dtype)
     key = torch.randn(1, 2, 40, 16, generator=g).to(dtype)
     value = torch.randn(1, 2, 40, 16, generator=g).to(dtype)
@@ -42,41 +43,57 @@ def _brute_force(query, key, value, mask, scaling):
     return out
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_rowwise_attention_is_the_attention_formula(rows):
+def _compiling(monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("traced", [False, True])
+def test_fixed_rows_attention_is_the_attention_formula(rows, traced, monkeypatch):
+    """Eager (no padding) and traced (rows padded to 5): the formula for every real row, and only those returned."""
+    if traced:
+        _compiling(monkeypatch)
     query, key, value, mask = _inputs(rows)
-    out, weights = rowwise_attention_forward(_Module(), query, key, value, mask, scaling=0.25)
+    out, weights = fixed_rows_attention_forward(_Module(), query, key, value, mask, scaling=0.25, rows=5)
     assert weights is None and out.shape == (1, rows, 6, 16)
     torch.testing.assert_close(out.double(), _brute_force(query, key, value, mask, 0.25), atol=1e-5, rtol=1e-5)
 
 
-def test_the_traced_form_equals_the_eager_fallback_and_rounds_once(monkeypatch):
-    """Under torch.compile the scores and the output are a product and a sum (the eager path uses matmuls); in bf16
-    both compute in fp32 and round once, at the output."""
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(monkeypatch):
+    """Traced: the same query row, alone or with other rows after it, gives the same bits (one shape, one kernel)."""
+    _compiling(monkeypatch)
+    query, key, value, mask = _inputs(4, seed=1)
+    together, _ = fixed_rows_attention_forward(_Module(), query, key, value, mask, scaling=0.25, rows=5)
+    for row in range(4):
+        # row `row` alone: the same cache, its own mask row (positions up to 30 + row)
+        alone, _ = fixed_rows_attention_forward(_Module(), query[:, :, row:row + 1], key, value,
+                                                mask[:, :, row:row + 1], scaling=0.25, rows=5)
+        assert torch.equal(alone[:, 0], together[:, row])
+
+
+def test_bf16_inputs_are_computed_in_fp32_and_rounded_once(monkeypatch):
+    _compiling(monkeypatch)
     query, key, value, mask = _inputs(3, torch.bfloat16)
-    eager, _ = rowwise_attention_forward(_Module(), query, key, value, mask, scaling=0.25)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    traced, _ = rowwise_attention_forward(_Module(), query, key, value, mask, scaling=0.25)
-    assert eager.dtype == traced.dtype == torch.bfloat16
-    torch.testing.assert_close(traced.float(), eager.float(), atol=0, rtol=2**-8)  # at most a rounding step apart
+    out, _ = fixed_rows_attention_forward(_Module(), query, key, value, mask, scaling=0.25, rows=5)
     reference = _brute_force(query.float(), key.float(), value.float(), mask.float(), 0.25)
-    assert (traced.double() - reference).abs().max() <= 2**-8 * reference.abs().max()  # fp32 math, one bf16 rounding
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - reference).abs().max() <= 2**-8 * reference.abs().max()  # fp32 math, one bf16 rounding
 
 
-def test_a_model_runs_rowwise_attention_only_inside_the_block():
+def test_a_model_runs_fixed_rows_attention_only_inside_the_block():
     model = make_tiny_llama(num_layers=2, seed=0).eval()
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
     before = model.config._attn_implementation
     with torch.no_grad():
         reference = model(ids).logits
-        with rowwise_attention(model):
-            assert model.config._attn_implementation == ROWWISE_ATTENTION
-            rowwise = model(ids).logits
+        with fixed_rows_attention(model, rows=5):
+            assert model.config._attn_implementation == FIXED_ROWS_ATTENTION.format(rows=5)
+            fixed = model(ids).logits
     assert model.config._attn_implementation == before
-    torch.testing.assert_close(rowwise, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fixed, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_rowwise_attention_refuses_dropout_in_training():
+def test_fixed_rows_attention_refuses_dropout_in_training():
     module = _Module().train()
     with pytest.raises(ValueError, match="serving"):
-        rowwise_attention_forward(module, *_inputs(1), scaling=0.25, dropout=0.1)
+        fixed_rows_attention_forward(module, *_inputs(1), scaling=0.25, dropout=0.1, rows=5)

@@ -126,37 +126,6 @@ def _plain_and_speculative(served, seed: int):
     return prompt, plain, fast
 
 
-def test_an_int8_target_serves_compiled_and_speculative_equals_plain_at_int8(models):
-    """``serving_runtime(..., precision="int8")``: the converted target's graphs on the compiled runtime (no
-    recompile while serving), greedy speculative decoding equal to plain decoding on that int8 target, and the int8
-    target's text close to the fp32 model's (quantizing may flip a token where two are close)."""
-    from ppow_trl.serving.precision import precision_of
-    from ppow_trl.serving.runtime import serving_runtime
-
-    target, close, _ = models
-    served = serving_runtime(target, close, runtime="compiled", max_window=MAX_ROWS - 1, max_cache_len=96,
-                             precision="int8", progress=False)
-    assert served.name == "compiled" and served.precision == "int8" and precision_of(served.verifier) == "int8"
-    graphs, same_as_fp32 = _graphs(), 0
-    for seed in range(3):
-        prompt, plain, fast = _plain_and_speculative(served, seed)
-        with torch.no_grad():
-            fp32 = greedy_continuation(target, prompt[0].tolist(), 24, 64)
-        assert fast.tau > 1.0
-        same_as_fp32 += sum(a == b for a, b in zip(plain.new_tokens, fp32)) / 24
-        differ = [i for i, (a, b) in enumerate(zip(fast.new_tokens, plain.new_tokens)) if a != b]
-        if differ:  # only at a near tie of the plain step's bf16 logits (the int8 graphs' rows are not bitwise
-            # independent of the row count, unlike fp32's): the two tokens' logits within a few bf16 steps
-            i = differ[0]
-            with torch.no_grad():
-                logits = served.verifier(torch.cat([prompt, torch.tensor([plain.new_tokens[:i]])], dim=1)).logits[0, -1]
-            gap = abs(float(logits[plain.new_tokens[i]]) - float(logits[fast.new_tokens[i]]))
-            print(f"prompt {seed}: first difference at {i}, logit gap {gap:.4f}, top logit {float(logits.max()):.3f}")
-            assert gap <= 4 * 2**-8 * float(logits.abs().max())
-    assert _graphs() == graphs  # nothing compiled while serving
-    assert same_as_fp32 / 3 > 0.5
-
-
 def _rows_differing_from_one_row_at_a_time(compiled, ids, prefix: int) -> list[int]:
     """For each row count L = 2..max_rows: how many rows of one L-row call differ (in any bit) from the same positions
     scored one row at a time (decode steps) over the same cache."""
@@ -173,35 +142,52 @@ def _rows_differing_from_one_row_at_a_time(compiled, ids, prefix: int) -> list[i
     return differing
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_row_independent_graphs_verify_bitwise_what_decode_steps_compute(models, precision, caplog):
-    """``CompileSettings(row_independent=True)``: every row of a verify pass is bitwise the decode step's row, so
-    greedy speculative decoding gives plain decoding's tokens by construction, also at int8 (bf16 logits, near ties),
-    and serving_runtime does not warn. (With the default settings a small random Llama's fp32 rows differed by 1e-4
-    and its int8 rows by up to 5.)"""
-    import copy
+def test_compiled_verify_rows_are_bitwise_the_decode_steps(models):
+    """The default settings (``row_independent``): every row of a verify pass is bitwise the decode step's row, so
+    greedy speculative decoding gives plain decoding's tokens by construction. (With PyTorch's own attention, a small
+    random Llama's fp32 rows differed by 1e-4.)"""
+    _, _, compiled = models
+    assert "row-independent" in compiled.settings.label()
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(5))
+    assert _rows_differing_from_one_row_at_a_time(compiled, ids, prefix=17) == [0] * (MAX_ROWS - 1)
 
+
+def test_an_int8_target_serves_compiled_and_speculative_equals_plain_at_int8(models, caplog):
+    """``serving_runtime(..., precision="int8")``: the converted target's graphs on the compiled runtime (no
+    recompile while serving), every verified row bitwise the decode step's, so greedy speculative decoding equals
+    plain decoding on that int8 target token for token and serving_runtime does not warn; the int8 target choosing
+    the fp32 model's token at most positions of its text (quantizing may flip a token where two are close). (With a
+    bf16 stream and PyTorch's attention the int8 rows differed by up to 5.)"""
+    from ppow_trl.serving.precision import precision_of
     from ppow_trl.serving.runtime import serving_runtime
 
-    # their own models: one set of compile settings per model in a process
-    target, close = copy.deepcopy(models[0]), copy.deepcopy(models[1])
+    target, close, _ = models
     with caplog.at_level("WARNING"):
         served = serving_runtime(target, close, runtime="compiled", max_window=MAX_ROWS - 1, max_cache_len=96,
-                                 precision=precision, settings=CompileSettings(row_independent=True), progress=False)
-    assert served.name == "compiled" and "row-independent" in served.describe()
+                                 precision="int8", progress=False)
+    assert served.name == "compiled" and served.precision == "int8" and precision_of(served.verifier) == "int8"
     assert "not lossless" not in caplog.text
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(5))
     assert _rows_differing_from_one_row_at_a_time(served.target, ids, prefix=17) == [0] * (MAX_ROWS - 1)
+    graphs, same_as_fp32 = _graphs(), []
     for seed in range(3):
-        _, plain, fast = _plain_and_speculative(served, seed)
+        prompt, plain, fast = _plain_and_speculative(served, seed)
         assert fast.tau > 1.0 and fast.new_tokens == plain.new_tokens
+        # the fp32 model's choice at each position of the int8 text (teacher-forced: one flip does not derail the
+        # rest of the comparison)
+        with torch.no_grad():
+            text = torch.cat([prompt, torch.tensor([plain.new_tokens])], dim=1)
+            fp32_choice = target(text).logits[0, prompt.shape[1] - 1:-1].argmax(-1)
+        same_as_fp32.append(float((fp32_choice == torch.tensor(plain.new_tokens)).float().mean()))
+    assert _graphs() == graphs  # nothing compiled while serving
+    assert sum(same_as_fp32) / 3 > 0.8, same_as_fp32
 
 
 def test_compile_cache_is_keyed_by_settings_and_machine(tmp_path):
     a = compile_cache_dir(CompileSettings(), tmp_path)
     assert a == compile_cache_dir(CompileSettings(), tmp_path)
     assert a != compile_cache_dir(CompileSettings(max_autotune=False), tmp_path)
-    assert a != compile_cache_dir(CompileSettings(row_independent=True), tmp_path)
+    assert a != compile_cache_dir(CompileSettings(row_independent=False), tmp_path)
     assert a.parent == tmp_path / "inductor"
 
 

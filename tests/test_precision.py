@@ -1,7 +1,8 @@
 """The target's serving precision (``ppow_trl.serving.precision``): int8 weight-only layers against the formula they
 state, conversion of a copy, and speculative == plain decoding on the same converted target on the eager runtime,
-with a warning (on a real model PyTorch's bf16 kernels round a verify pass a little differently from a decode step,
-so a token may differ at a near tie; the compiled int8 graphs are checked in ``test_compiled.py``)."""
+with a warning (on a real model the eager kernels round a verify pass a little differently from a decode step, so a
+token may differ at a near tie; the compiled int8 graphs, bitwise row-independent, are checked in
+``test_compiled.py``)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,15 @@ def test_int8_layer_is_the_product_with_its_dequantized_weight():
     dequantized = layer.dequantized_weight()
     # W ~ s Q with |W - s Q| <= s / 2 entry-wise (half a quantization step; a clamped entry at most as much)
     assert ((linear.weight - dequantized).abs() <= scale[:, None] * (0.5 + 1e-3)).all()
-    for rows in (1, 2, 5):
-        x = torch.randn(1, rows, 64).to(torch.bfloat16)
-        expected = x.float() @ dequantized.T + linear.bias
-        out = layer(x)
-        assert out.shape == (1, rows, 48) and out.dtype == torch.bfloat16
-        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    for dtype in (torch.float32, torch.bfloat16):  # the output in the input's dtype; the GEMM's input rounded to bf16
+        for rows in (1, 2, 5):
+            x = torch.randn(1, rows, 64).to(dtype)
+            expected = x.to(torch.bfloat16).float() @ dequantized.T + linear.bias
+            out = layer(x)
+            assert out.shape == (1, rows, 48) and out.dtype == dtype
+            torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
     # each row alone gives the same values as in a batch of rows (the kernel is row-independent)
-    x = torch.randn(4, 64).to(torch.bfloat16)
+    x = torch.randn(4, 64)
     assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(4)]), layer(x))
 
 
@@ -46,7 +48,8 @@ def test_serving_precision_converts_a_copy_and_keeps_the_fp32_model():
     quantized = [m for m in int8.modules() if isinstance(m, Int8WeightOnlyLinear)]
     assert len(quantized) == sum(int8_supported(m) for m in linears) > 0
     assert int8.lm_head.__class__ is Int8WeightOnlyLinear  # the tied head has its own int8 copy
-    assert int8.get_input_embeddings().weight.dtype == torch.bfloat16
+    # int8 weights only: the embedding, norms and stream stay fp32 (ppow_trl.serving.precision)
+    assert int8.get_input_embeddings().weight.dtype == torch.float32
     assert [precision_of(m) for m in (model, bf16, int8)] == ["fp32", "bf16", "int8"]
     # one copy per model and precision (the trainer's cost model and the served runtime share its compiled graphs)
     assert serving_precision(model, "int8") is int8 and serving_precision(int8, "int8") is int8

@@ -17,12 +17,14 @@ How:
   silent minute-long stall.
 - Inductor's on-disk cache lives under ``cache_root() / "inductor" / <key>``, the key naming torch's version, the CPU's
   instruction sets, the thread count and the settings (inductor's own key does not name the CPU).
-- A row's logits may differ in the last bits with the number of rows one call scores: inductor lowers PyTorch's
-  attention for one query row into a product and a sum but for several rows into a GEMM, and at bf16 it rounds an
-  intermediate only where a kernel stores it, while which ops fuse depends on the row count. In fp32 greedy tokens
-  rarely change (SmolLM2: speculative equal to plain on every benchmark prompt); at bf16/int8 they do at near ties.
-  ``CompileSettings(row_independent=True)`` removes both causes (``ppow_trl.serving.attention``'s row-wise attention,
-  inductor's ``emulate_precision_casts``): a verify pass's rows are bitwise the decode steps', at a cost in speed.
+- A row's logits must not depend on how many rows one call scores, or speculation could pick another token than
+  plain decoding at a near tie. Left to itself, inductor lowers attention for one query row into a product and a sum
+  but for several rows into a GEMM (two summation orders), and at low precision it rounds an intermediate only where
+  a kernel stores it, while which ops fuse depends on the row count: on SmolLM2 every verified row differed from the
+  decode step's in its last bits. ``CompileSettings(row_independent=True)`` (the default) removes both causes
+  (``ppow_trl.serving.attention``'s attention padded to ``max_rows`` query rows in every graph, inductor's
+  ``emulate_precision_casts``); the GEMMs of the linear layers (C++ templates) already gave every row the same bits
+  whatever the row count. A verify pass's rows are then bitwise the decode steps'.
 - Rolling back after a rejected window is ``crop_cache``: a static cache only moves its length back; the stale rows
   are masked, then overwritten.
 
@@ -48,7 +50,7 @@ import torch
 import torch._inductor.config
 
 from ..utils import cache_root, cpu_flags
-from .attention import rowwise_attention
+from .attention import fixed_rows_attention
 
 logger = logging.getLogger(__name__)
 
@@ -66,23 +68,26 @@ class CompileSettings:
         gemm_backends: ``max_autotune_gemm_backends``, e.g. ``"CPP,ATEN"``.
         row_independent: compile so that a row's logits do not depend on how many rows one call scores, so that
             greedy speculative decoding gives plain decoding's tokens bitwise, by construction, at every precision
-            (module docstring). Off by default, because it costs speed (benchmarks/row_independence.py; SmolLM2, AMD
-            EPYC, 1 thread): fp32 decode step about the same (31.9 vs 32.5 ms) but t_v(2..5)/t_t 1.06/1.18/1.31/1.97
-            against 0.94/0.98/0.91/1.41; int8 decode step 28.9 ms against 16.8 ms.
+            (module docstring): attention padded to ``max_rows`` query rows in every graph
+            (``ppow_trl.serving.attention``) and inductor's ``emulate_precision_casts``. On by default: it costs no
+            speed (a 6-layer Llama of SmolLM2's shape, fp32, AMD EPYC, 1 thread: decode step 11.1 vs 11.7 ms, t_v(2..5)/t_t
+            1.03/0.91/0.96/1.36 vs 1.01/1.11/1.08/1.42; benchmarks/row_independence.py measures SmolLM2). Off: the
+            graphs PyTorch's own attention gives, whose verify rows differed from the decode steps' in the last bits.
         extra: more inductor options, passed as they are.
     """
 
     freezing: bool = True
     max_autotune: bool = True
     gemm_backends: str = "CPP,ATEN"
-    row_independent: bool = False
+    row_independent: bool = True
     extra: dict = field(default_factory=dict)
 
     def options(self) -> dict:
         options = {"freezing": self.freezing, "max_autotune": self.max_autotune, **self.extra}
         if self.row_independent:
-            # Round bf16 intermediates where eager would, also inside fused kernels: which ops fuse depends on the
-            # row count (a 10-layer int8 Llama: every verified row differed from the decode step's without it).
+            # Round bf16 values where the graph says so, also inside fused kernels: which ops fuse depends on the row
+            # count (a 6-layer int8 Llama with a fp32 stream and padded attention: every verified row differed from
+            # the decode step's without it, none with it, for 0.2 ms a step).
             options["emulate_precision_casts"] = True
         if self.max_autotune:
             options["max_autotune_gemm_backends"] = self.gemm_backends
@@ -101,8 +106,6 @@ class CompileSettings:
 def compile_cache_dir(settings: CompileSettings, root: Path | None = None) -> Path:
     """``cache_root()/inductor/<key>``: one inductor cache per torch build, CPU instruction sets, threads, settings."""
     options = asdict(settings)
-    if not settings.row_independent:
-        del options["row_independent"]  # the default: caches made before the option existed stay valid
     key = {"torch": torch.__version__, "cpu": sorted(cpu_flags()), "threads": torch.get_num_threads(),
            "settings": options}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -277,10 +280,11 @@ class CompiledCausalLM(torch.nn.Module):
         return out
 
     def _call_compiled(self, input_ids, position_ids, cache):
-        """The compiled graph of this row count (with row-wise attention when ``settings.row_independent``); after
-        ``warm_up`` a shape it did not compile is an error."""
+        """The compiled graph of this row count (attention padded to ``max_rows`` rows when
+        ``settings.row_independent``); after ``warm_up`` a shape it did not compile is an error."""
         stance = (torch.compiler.set_stance("fail_on_recompile") if self.warm else compile_context(self.settings))
-        attention = rowwise_attention(self.model) if self.settings.row_independent else contextlib.nullcontext()
+        attention = (fixed_rows_attention(self.model, self.max_rows) if self.settings.row_independent
+                     else contextlib.nullcontext())
         with torch.no_grad(), attention, stance:
             return self._compiled(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
 

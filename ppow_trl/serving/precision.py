@@ -6,19 +6,19 @@ fp32 weights per token; 19 GB/s at one thread on an AMD EPYC). Precisions offere
 - ``"fp32"``: the model as loaded (the default; the one whose greedy output is the reference everywhere else).
 - ``"bf16"``: weights and activations in bfloat16 (2 bytes a weight).
 - ``"int8"``: int8 weight-only. Each ``nn.Linear`` weight ``W`` (``N x K``) is stored as ``Q = round(W / s)`` in int8
-  with one scale per output row, ``s_n = max_k |W_nk| / 127`` (in bfloat16), so ``W ~ s * Q`` with ``|W - s Q| <= s / 2``;
-  activations are bfloat16 and the product is ``y = (x Q^T) * s`` (``aten._weight_int8pack_mm``, which inductor
-  compiles into its C++ weight-only GEMM template). Norms and the embedding (a gather, not a matmul) stay bfloat16; a
-  tied lm head gets its own int8 copy.
+  with one scale per output row, ``s_n = max_k |W_nk| / 127`` (in bfloat16), so ``W ~ s * Q`` with ``|W - s Q| <= s / 2``.
+  The layer rounds its input to bfloat16 and computes ``y = (bf16(x) Q^T) * s`` (``aten._weight_int8pack_mm``, which
+  inductor compiles into its C++ weight-only GEMM template), returned in the input's dtype. Everything else (the
+  residual stream, norms, attention, the KV cache, the embedding) stays fp32: the weights are what a decode step
+  reads, and a bf16 residual stream rounded wherever inductor's fusion happened to store it, which differs between a
+  decode step's graph and a verify pass's (``ppow_trl.serving.compiled``). A tied lm head gets its own int8 copy.
 
 ``serving_precision(model, precision)`` returns a converted copy (the fp32 model is left as it is: calibration and
-the benchmarks compare against it). Lossless is a property of one precision and one set of kernels. At bf16 and int8
-the logits are bf16, so near ties are common, and with the default kernels a verify pass rounds a little
-differently from a decode step (``ppow_trl.serving.compiled``): speculation may then pick another token than plain
-decoding at that precision (MT-bench, compiled int8: equal on 13-17 of 56 prompts), and ``serving_runtime`` warns.
-``CompileSettings(row_independent=True)`` makes the compiled rows bitwise independent of the row count, so that
-speculation on an int8 target gives plain int8 decoding's tokens, at a cost in speed that today takes back int8's
-gain."""
+the benchmarks compare against it). Lossless is a property of one precision and one set of kernels: speculation on
+an int8 target reproduces plain decoding of that int8 target, bitwise on the compiled runtime's row-independent
+graphs (``CompileSettings.row_independent``, the default), not the fp32 model's tokens. At bf16 the whole stream is
+bf16 and its logits round to 8 bits; the eager runtime's kernels differ per row count, so there ``serving_runtime``
+warns that speculation may pick another token than plain decoding at a near tie."""
 
 from __future__ import annotations
 
@@ -42,18 +42,19 @@ def check_precision(precision: str) -> str:
 
 
 class Int8WeightOnlyLinear(torch.nn.Module):
-    """``nn.Linear`` with int8 weights and one scale per output row (module docstring: ``y = (x Q^T) * s + b``)."""
+    """``nn.Linear`` with int8 weights and one scale per output row (module docstring: ``y = (bf16(x) Q^T) * s + b``,
+    in ``x``'s dtype)."""
 
     def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         weight = linear.weight.detach().float()
-        # The scale is rounded to the activations' dtype first (the kernel takes it in that dtype), and Q is computed
+        # The scale is rounded to the GEMM input's dtype first (the kernel takes it in that dtype), and Q is computed
         # against the rounded scale, so that |W - s Q| <= s / 2 holds for the scale the kernel multiplies by.
         scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(dtype)
         self.register_buffer("weight_int8", torch.round(weight / scale.float()[:, None]).clamp(-127, 127)
                              .to(torch.int8))
         self.register_buffer("scale", scale)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -61,10 +62,11 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         return self.weight_int8.float() * self.scale.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale).reshape(*x.shape[:-1],
-                                                                                          self.out_features)
-        return out if self.bias is None else out + self.bias
+        # the GEMM's input in the scales' dtype (bf16: the vectorized weight-only kernel), its output in x's dtype
+        rows = x.reshape(-1, self.in_features).to(self.scale.dtype).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale).to(x.dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=int8 per-row scales"
@@ -88,13 +90,13 @@ def serving_precision(model, precision: str = "fp32"):
     if converted is not None:
         return converted
     converted = copy.deepcopy(model).eval()
-    converted.to(torch.bfloat16)
-    if hasattr(converted, "set_attn_implementation"):
-        # PyTorch's CPU flash attention in bf16 took 0.53 ms a layer for one query row against 0.19 ms for two
-        # (SmolLM2, 512-position static cache, AMD EPYC, torch 2.13): the one-row decode step was 1.5x the two-row
-        # verify. transformers' eager attention (matmul, softmax) is fused by inductor instead: int8 compiled decode
-        # went from 28.4 ms to 17.5 ms a token.
-        converted.set_attn_implementation("eager")
+    if precision == "bf16":
+        converted.to(torch.bfloat16)
+        if hasattr(converted, "set_attn_implementation"):
+            # PyTorch's CPU flash attention in bf16 took 0.53 ms a layer for one query row against 0.19 ms for two
+            # (SmolLM2, 512-position static cache, AMD EPYC, torch 2.13): the one-row decode step was 1.5x the two-row
+            # verify. transformers' eager attention (matmul, softmax) is fused by inductor instead.
+            converted.set_attn_implementation("eager")
     if precision == "int8":
         for module in list(converted.modules()):
             for name, child in list(module.named_children()):

@@ -273,7 +273,8 @@ def _warn_low_precision(precision: str, drafter) -> None:
     """Speculation on a bf16/int8 target is not lossless unless its rows are independent of the row count
     (``ppow_trl.serving.precision``): say so."""
     if precision != "fp32" and drafter is not None:
-        logger.warning("Speculative decoding on a %s target is not lossless: its logits are bf16 (near ties) and a "
-                       "verify pass rounds a little differently from a decode step, so speculation may pick another "
-                       "token than plain %s decoding. For lossless speculation serve the fp32 target, or compile with "
-                       "CompileSettings(row_independent=True) (slower).", precision, precision)
+        logger.warning("Speculative decoding on a %s target is not lossless here: its logits round to bf16 (near "
+                       "ties), and these kernels round a verify pass a little differently from a decode step, so "
+                       "speculation may pick another token than plain %s decoding. For lossless speculation serve it "
+                       "on the compiled runtime with CompileSettings(row_independent=True) (the default), or serve "
+                       "the fp32 target.", precision, precision)
