@@ -7,8 +7,8 @@ padded to K_max + 1 query rows, ``ppow_trl.serving.attention``), SmolLM2-135M-In
 - rows: plain-decode 40 tokens after an MT-bench-style prompt, then verify the same tokens in windows of L = 2..5 rows
   from the same cache states, and count the rows whose logits differ in any bit from the decode step's (one process
   per configuration);
-- costs: the four configurations in one process, their calls interleaved (each round times one call of every row
-  count of every configuration, in a rotating order) over a 200-token context: the median decode step t_t with its
+- costs: both configurations of a precision in one process, their calls interleaved (each round times one call of
+  every row count of each configuration, in a rotating order) over a 200-token context: the median decode step t_t with its
   95% CI, t_v(L)/t_t, and row_independent=True against False at the same precision (ratio of medians, 95% bootstrap
   CI).
 
@@ -80,9 +80,11 @@ def child(precision: str, row_independent: bool, threads: int) -> dict:
 }
 
 
-def timing_child(threads: int, rounds: int) -> dict:
-    """The four configurations in one process (a copy of the target each: one set of compile settings per model),
-    their calls interleaved round by round; medians and bootstrap intervals (module docstring)."""
+def timing_child(threads: int, rounds: int, precision: str) -> dict:
+    """Both configurations of ``precision`` in one process (a copy of the target each: one set of compile settings
+    per model), their calls interleaved round by round; medians and bootstrap intervals (module docstring). One
+    precision per process: a compiled SmolLM2 runtime held about 3.8 GB, and four in one process were killed for
+    memory on a 24 GB machine."""
     import copy
     import statistics
     import time
@@ -101,20 +103,22 @@ def timing_child(threads: int, rounds: int) -> dict:
 
     set_cpu_threads(threads)
     base = load_target(smollm2_path()).eval()
+    configs = [config for config in CONFIGS if config[0] == precision]
     models = {config: serving_runtime(copy.deepcopy(base), None, runtime="compiled", max_window=4, max_cache_len=512,
                                       precision=config[0], settings=CompileSettings(row_independent=config[1]),
                                       progress=False).target
-              for config in CONFIGS}
+              for config in configs}
+    del base
     context = torch.randint(100, 40000, (1, 200), generator=torch.Generator().manual_seed(0))
     ids = torch.randint(100, 40000, (1, 5), generator=torch.Generator().manual_seed(1))
-    samples = {config: {rows: [] for rows in range(1, 6)} for config in CONFIGS}
+    samples = {config: {rows: [] for rows in range(1, 6)} for config in configs}
     with torch.no_grad():
         caches = {}
         for config, model in models.items():
             caches[config] = model.new_cache()
             model(input_ids=context, cache=caches[config])
         for round_ in range(rounds + 3):  # 3 rounds of warm-up, not kept
-            order = CONFIGS[round_ % len(CONFIGS):] + CONFIGS[:round_ % len(CONFIGS)]
+            order = configs[round_ % len(configs):] + configs[:round_ % len(configs)]
             for config in order:
                 for rows in range(1, 6):
                     started = time.perf_counter()
@@ -124,7 +128,7 @@ def timing_child(threads: int, rounds: int) -> dict:
                     if round_ >= 3:
                         samples[config][rows].append(elapsed)
     out = {}
-    for precision, row_independent in CONFIGS:
+    for precision, row_independent in configs:
         times = samples[(precision, row_independent)]
         t_t = statistics.median(times[1])
         entry = {"t_t_ms": round(t_t, 2), "t_t_ci_ms": [round(x, 2) for x in bootstrap_median(times[1])],
@@ -144,40 +148,53 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--rounds", type=int, default=60, help="interleaved timing rounds")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--timing-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--timing-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1] == "1", args.threads)))
         return
     if args.timing_child:
-        print(json.dumps(timing_child(args.threads, args.rounds)))
+        print(json.dumps(timing_child(args.threads, args.rounds, args.timing_child)))
         return
     sys.path.insert(0, str(REPO))
     from benchmarks.llama_cpp_amx_build import cpu_description
 
     import torch
 
+    # Finished parts are kept in a partial file, so that a rerun after a crash does not compile and measure them again.
+    partial_path = args.out.with_suffix(".partial.json")
+    partial = json.loads(partial_path.read_text()) if partial_path.is_file() else {}
+
+    def run_child(key: str, child_args: list[str]) -> dict:
+        if key not in partial:
+            run = subprocess.run([sys.executable, __file__, "--threads", str(args.threads), *child_args],
+                                 capture_output=True, text=True, check=True)
+            partial[key] = json.loads(run.stdout.strip().splitlines()[-1])
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            partial_path.write_text(json.dumps(partial, indent=1) + "\n")
+        print(json.dumps(partial[key]), flush=True)
+        return partial[key]
+
     results = []
     for precision, row_independent in CONFIGS:
         print(f"{precision}, row_independent={row_independent} ...", flush=True)
-        run = subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--child", precision,
-                              "1" if row_independent else "0"], capture_output=True, text=True, check=True)
-        results.append(json.loads(run.stdout.strip().splitlines()[-1]))
-        print(json.dumps(results[-1]), flush=True)
-    print("timing, all configurations interleaved ...", flush=True)
-    run = subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--rounds", str(args.rounds),
-                          "--timing-child"], capture_output=True, text=True, check=True)
-    timing = json.loads(run.stdout.strip().splitlines()[-1])
-    for result in results:
-        result.update(timing["timings"][f"{result['precision']}/"
-                                        f"{'row_independent' if result['row_independent'] else 'default_attention'}"])
+        results.append(dict(run_child(f"{precision}/{row_independent}",
+                                      ["--child", precision, "1" if row_independent else "0"])))
+    for precision in dict.fromkeys(precision for precision, _ in CONFIGS):
+        print(f"timing {precision}, both settings interleaved ...", flush=True)
+        timing = run_child(f"timing/{precision}", ["--rounds", str(args.rounds), "--timing-child", precision])
+        for result in results:
+            key = f"{precision}/{'row_independent' if result['row_independent'] else 'default_attention'}"
+            if result["precision"] == precision:
+                result.update(timing["timings"][key])
     out = {"meta": {"cpu": cpu_description(), "torch": torch.__version__, "threads": args.threads,
                     "model": "SmolLM2-135M-Instruct", "runtime": "compiled (serving_runtime, K_max = 4, 512 positions)",
                     "command": "python benchmarks/row_independence.py" + (f" --threads {args.threads}"
                                                                          if args.threads != 1 else "")},
-           "timing_rounds": timing["rounds"], "results": results}
+           "timing_rounds": args.rounds, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
+    partial_path.unlink()
     print(f"wrote {args.out}")
 
 
