@@ -1135,8 +1135,8 @@ def row_independence(results: Path):
         "precision and `CompileSettings(row_independent=...)` (`True` is the default: attention padded to `K + 1` query "
         "rows in every graph), SmolLM2 on the compiled runtime decodes 40 tokens one at a time, then verifies the same "
         "tokens in windows of L rows from the same cache states; a row counts as differing when any bit of its logits "
-        "differs from the decode step's (one process per configuration). Then the costs, with the four configurations "
-        "in one process and their calls interleaved: the one-token step `t_t` (median [95% CI]), `t_v(L)/t_t` over a "
+        "differs from the decode step's (one process per configuration). Then the costs, with both configurations of a "
+        "precision in one process and their calls interleaved: the one-token step `t_t` (median [95% CI]), `t_v(L)/t_t` over a "
         f"200-token context, and each row-independent configuration's time per call against `row_independent=False` "
         f"at the same precision, for L = 1..5 rows (ratio of medians [95% bootstrap CI]; {data.get('timing_rounds', '?')} "
         "interleaved rounds).", "",
