@@ -8,9 +8,9 @@ padded to K_max + 1 query rows, ``ppow_trl.serving.attention``), SmolLM2-135M-In
   from the same cache states, and count the rows whose logits differ in any bit from the decode step's (one process
   per configuration);
 - costs: both configurations of a precision in one process, their calls interleaved (each round times one call of
-  every row count of each configuration, in a rotating order) over a 200-token context: the median decode step t_t with its
-  95% CI, t_v(L)/t_t, and row_independent=True against False at the same precision (ratio of medians, 95% bootstrap
-  CI).
+  every row count of each configuration, in a rotating order) over a 200-token context: the median decode step t_t
+  with its 95% CI, t_v(L)/t_t, and row_independent=True against False at the same precision (ratio of medians, 95%
+  bootstrap CI).
 
     python benchmarks/row_independence.py            # writes benchmarks/results/row_independence.json
 """
@@ -26,6 +26,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "row_independence.json"
 CONFIGS = [("fp32", True), ("int8", True), ("fp32", False), ("int8", False)]  # the defaults first
+
+
+def timing_key(precision: str, row_independent: bool) -> str:
+    """The key of a configuration's costs in the timing child's output."""
+    return f"{precision}/{'row_independent' if row_independent else 'default_attention'}"
 
 
 def child(precision: str, row_independent: bool, threads: int) -> dict:
@@ -138,7 +143,7 @@ def timing_child(threads: int, rounds: int, precision: str) -> dict:
             entry["vs row_independent=False, t(L) ratio for L = 1..5 [95% CI]"] = [
                 [round(statistics.median(times[r]) / statistics.median(other[r]), 3),
                  bootstrap_ratio_ci(times[r], other[r])] for r in range(1, 6)]
-        out[f"{precision}/{'row_independent' if row_independent else 'default_attention'}"] = entry
+        out[timing_key(precision, row_independent)] = entry
     return {"rounds": rounds, "timings": out}
 
 
@@ -184,9 +189,8 @@ def main() -> None:
         print(f"timing {precision}, both settings interleaved ...", flush=True)
         timing = run_child(f"timing/{precision}", ["--rounds", str(args.rounds), "--timing-child", precision])
         for result in results:
-            key = f"{precision}/{'row_independent' if result['row_independent'] else 'default_attention'}"
             if result["precision"] == precision:
-                result.update(timing["timings"][key])
+                result.update(timing["timings"][timing_key(precision, result["row_independent"])])
     out = {"meta": {"cpu": cpu_description(), "torch": torch.__version__, "threads": args.threads,
                     "model": "SmolLM2-135M-Instruct", "runtime": "compiled (serving_runtime, K_max = 4, 512 positions)",
                     "command": "python benchmarks/row_independence.py" + (f" --threads {args.threads}"

@@ -15,8 +15,10 @@ no key or value is copied:
     s_ij = scale * sum_d q_id k_jd + mask_ij,    p_ij = softmax_j(s_ij),    o_id = sum_j p_ij v_jd,
 
 for ``i`` over the padded rows of every query head of a group (one GEMM of ``groups * rows`` rows per key/value
-head), then the real rows are kept and rounded to the activations' dtype once. The padded rows cost little: at
-batch 1 attention reads the cache once whatever the rows, and that read, not the rows' arithmetic, is its cost.
+head), then the real rows are kept and rounded to the activations' dtype once. The padded rows are not free: a
+decode step now scores K_max + 1 rows against every cache position (SmolLM2, 30 layers, 512 positions, AMD EPYC,
+1 thread: the decode step 1.09x [1.08, 1.10] int8 and 1.11x [1.01, 1.22] fp32 PyTorch's attention's, a 2-5 row
+verify 0.90-1.01x; benchmarks/row_independence.py).
 Longer calls (a prompt's prefill, run eagerly) are not padded: no compiled row is compared with a prefill row.
 
 It is registered with transformers' ``AttentionInterface`` once per row count (``register_fixed_rows_attention``,

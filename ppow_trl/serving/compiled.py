@@ -69,10 +69,10 @@ class CompileSettings:
         row_independent: compile so that a row's logits do not depend on how many rows one call scores, so that
             greedy speculative decoding gives plain decoding's tokens bitwise, by construction, at every precision
             (module docstring): attention padded to ``max_rows`` query rows in every graph
-            (``ppow_trl.serving.attention``) and inductor's ``emulate_precision_casts``. On by default: it costs no
-            speed (a 6-layer Llama of SmolLM2's shape, fp32, AMD EPYC, 1 thread: decode step 11.1 vs 11.7 ms, t_v(2..5)/t_t
-            1.03/0.91/0.96/1.36 vs 1.01/1.11/1.08/1.42; benchmarks/row_independence.py measures SmolLM2). Off: the
-            graphs PyTorch's own attention gives, whose verify rows differed from the decode steps' in the last bits.
+            (``ppow_trl.serving.attention``) and inductor's ``emulate_precision_casts``. On by default: lossless by
+            construction is worth its cost (SmolLM2, AMD EPYC, 1 thread, benchmarks/row_independence.py: the decode
+            step about 1.1x as long, a 2-5 row verify 0.90-1.01x). Off: the graphs PyTorch's own attention gives,
+            whose verify rows differed from the decode steps' in the last bits.
         extra: more inductor options, passed as they are.
     """
 
