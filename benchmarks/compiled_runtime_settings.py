@@ -9,6 +9,7 @@ figure is a median. Each setting runs in child processes, so that compiling one 
 
     python benchmarks/compiled_runtime_settings.py [--settings eager,freezing,freezing+max-autotune] [--reps 30]
     python benchmarks/compiled_runtime_settings.py --settings bf16:eager,bf16:freezing+max-autotune --append
+    python benchmarks/compiled_runtime_settings.py --settings row-independent,packaged --append
 
 Writes benchmarks/results/compiled_runtime_settings.json and .md.
 """
@@ -29,7 +30,13 @@ REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {
     "eager": None,
     "freezing": {"freezing": True},
-    "freezing+max-autotune": {"freezing": True, "max_autotune": True, "gemm_backends": "CPP,ATEN"},
+    # the graphs of PyTorch's attention, compiled by torch.compile in each process (the defaults before row independence)
+    "freezing+max-autotune": {"freezing": True, "max_autotune": True, "gemm_backends": "CPP,ATEN",
+                              "row_independent": False, "packaged": False},
+    # row-independent graphs (attention padded to K_max + 1 rows, only the C++ GEMM template), torch.compile
+    "row-independent": {"packaged": False},
+    # the defaults: row-independent graphs kept as AOTInductor packages (a warm start loads them)
+    "packaged": {},
 }
 # A setting may name a weight dtype: "bf16:eager", "bf16:freezing+max-autotune" (fewer bytes per decoded token).
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}

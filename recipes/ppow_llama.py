@@ -386,7 +386,8 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
     if trainer.accelerator.is_main_process:
         # The trainer's cost model was measured on the same runtime (same static cache length): no new compile.
         serving = serving_runtime(trainer.target, drafter.eval(), runtime=training_args.runtime,
-                                  max_window=training_args.max_window, precision=training_args.serving_precision)
+                                  max_window=training_args.max_window, precision=training_args.serving_precision,
+                                  settings=training_args.compile_settings())
         logger.info("Serving runtime: %s", serving.describe())
         result = list(calibrate_served_rule(trainer, drafter, serving, calibration_data, training_args))
         logger.info("Served rule: %s", result[0].calibration["serving_rule"])

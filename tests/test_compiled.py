@@ -36,9 +36,12 @@ def models(tmp_path_factory):
 
 
 def _graphs() -> int:
+    """Graphs compiled so far in this process: torch.compile's (dynamo) and AOTInductor packages built."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"]
+    from ppow_trl.serving import packaged
+
+    return counters["stats"]["unique_graphs"] + packaged.BUILT
 
 
 def test_compiled_forward_computes_the_eager_logits_and_rolls_back_exactly(models):
@@ -66,16 +69,18 @@ def test_nothing_recompiles_in_the_served_loop(models):
             speculative_generate(compiled, close, prompt, policy=policy, max_new_tokens=20, eos_token_id=[])
             greedy_continuation(compiled, prompt[0].tolist(), 10, 64)
     assert _graphs() == before
-    with pytest.raises(RuntimeError, match="recompile"):  # a shape that was not warmed up is refused, not compiled
-        compiled._call_compiled(torch.zeros((2, 1), dtype=torch.long), torch.zeros((2, 1), dtype=torch.long),
-                                compiled.new_cache())
+    with pytest.raises(RuntimeError, match="No compiled graph"):  # a shape that was not warmed up is refused
+        compiled._call_compiled(torch.zeros((1, MAX_ROWS + 1), dtype=torch.long),
+                                torch.arange(MAX_ROWS + 1)[None], compiled.new_cache())
+    assert _graphs() == before
 
 
 
-def test_a_model_class_created_after_the_warm_up_does_not_recompile(models):
-    """Instantiating any new PreTrainedModel class registers it in transformers' output-capturing registry, which the
-    traced forward reads: without the guard filter every later call failed its guards (an error under
-    fail_on_recompile), so loading a second model after serving_runtime broke serving."""
+def test_a_model_that_cannot_be_packaged_is_compiled_by_torch_compile(monkeypatch, caplog):
+    """Where a package cannot be built (a model ``torch.export`` cannot take), one warning line, then torch.compile's
+    graphs (``packaged=False`` gives the same), with a recompile after the warm-up an error. Instantiating any new PreTrainedModel class registers it in transformers'
+    output-capturing registry, which the traced forward reads: without the guard filter every later call failed its
+    guards (an error under fail_on_recompile), so loading a second model after serving_runtime broke serving."""
     from transformers import PretrainedConfig, PreTrainedModel
 
     class LateConfig(PretrainedConfig):
@@ -90,14 +95,30 @@ def test_a_model_class_created_after_the_warm_up_does_not_recompile(models):
             self.proj = torch.nn.Linear(2, 2)
             self.post_init()
 
-    _, _, compiled = models
+    import ppow_trl.serving.compiled as compiled_module
+
+    def cannot_export(*args, **kwargs):
+        raise RuntimeError("export failed\nlong traceback")
+
+    monkeypatch.setattr(compiled_module, "build_package", cannot_export)
+    target, _, _ = make_target_and_drafters(seed=3)
+    compiled = CompiledCausalLM(target, max_rows=2, max_cache_len=32)
+    with caplog.at_level("WARNING"):
+        compiled.warm_up(progress=False)
+    assert "AOTInductor packaging failed (RuntimeError: export failed)" in caplog.text
+    assert "long traceback" not in caplog.text
+    assert not compiled.packaged and compiled.packages_built == 0
     ids = torch.randint(8, 64, (1, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         before = greedy_continuation(compiled, ids[0].tolist(), 6, 64)
+        assert _rows_differing_from_one_row_at_a_time(compiled, ids, prefix=4) == [0]
         LateModel(LateConfig())
         graphs = _graphs()
         assert greedy_continuation(compiled, ids[0].tolist(), 6, 64) == before  # would raise "Detected recompile"
     assert _graphs() == graphs
+    with pytest.raises(RuntimeError, match="recompile"):
+        compiled._call_compiled(torch.zeros((1, 3), dtype=torch.long), torch.arange(3)[None], compiled.new_cache())
+
 
 def test_speculative_on_the_compiled_route_is_the_compiled_plain_text(models):
     target, close, compiled = models
@@ -188,27 +209,34 @@ def test_compile_cache_is_keyed_by_settings_and_machine(tmp_path):
     assert a == compile_cache_dir(CompileSettings(), tmp_path)
     assert a != compile_cache_dir(CompileSettings(max_autotune=False), tmp_path)
     assert a != compile_cache_dir(CompileSettings(row_independent=False), tmp_path)
+    assert a != compile_cache_dir(CompileSettings(packaged=False), tmp_path)
     assert a.parent == tmp_path / "inductor"
 
 
 SECOND_PROCESS = """
-import json, sys, torch
+import json, sys, time, torch
 sys.path.insert(0, {tests!r})
 from conftest import make_target_and_drafters
-from torch._dynamo.utils import counters
 from ppow_trl.serving.compiled import CompiledCausalLM
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 cache_dir()  # what an earlier compile or import does: inductor writes its /tmp default into the environment
 torch.set_num_threads(1)
 target, _, _ = make_target_and_drafters(seed=0, noise=0.02)
-CompiledCausalLM(target, max_rows=2, max_cache_len=32).warm_up(progress=False)
-print(json.dumps({{k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")}}))
+compiled = CompiledCausalLM(target, max_rows=2, max_cache_len=32)
+seconds = compiled.warm_up(progress=False)
+ids = torch.arange(8, 14)[None]
+with torch.no_grad():
+    cache = compiled.new_cache()
+    compiled(input_ids=ids[:, :4], cache=cache)
+    logits = [compiled(input_ids=ids[:, i:i + 1], cache=cache).logits[0, -1].tolist() for i in range(4, 6)]
+print(json.dumps({{"built": compiled.packages_built, "seconds": seconds, "logits": logits}}))
 """
 
 
-def test_a_second_process_finds_the_graphs_in_the_disk_cache(tmp_path):
-    """A new process compiles nothing: inductor's FX graph cache holds every graph (with MKL's opaque packed weights
-    in the graphs it bypassed the cache, and every process compiled again)."""
+def test_a_second_process_loads_the_packages_from_disk(tmp_path):
+    """The first process builds one AOTInductor package per row count under the cache root (not inductor's /tmp
+    default, which inductor writes into the environment); a second process builds nothing, loads them and computes
+    the same logits bitwise."""
     import json
     import os
     import subprocess
@@ -225,10 +253,24 @@ def test_a_second_process_finds_the_graphs_in_the_disk_cache(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     cold, warm = runs
-    # the graphs live under the cache root (not inductor's /tmp default, which inductor writes into the environment)
-    assert any((tmp_path / "inductor").glob("*/fxgraph/*"))
-    assert cold.get("fxgraph_cache_miss") == 2 and not cold.get("fxgraph_cache_bypass")
-    assert warm.get("fxgraph_cache_hit") == 2 and not warm.get("fxgraph_cache_miss") and not warm.get("fxgraph_cache_bypass")
+    assert len(list((tmp_path / "inductor").glob("*/packages/*/rows*.pt2"))) == 2
+    assert not list(tmp_path.glob("**/*.partial*"))
+    assert cold["built"] == 2 and warm["built"] == 0
+    assert warm["logits"] == cold["logits"]
+    assert warm["seconds"] < cold["seconds"] / 3
+
+
+def test_a_package_is_keyed_by_the_weights_it_embeds():
+    """Packages embed the frozen weights: a model with other weights (a trained drafter) must not load them."""
+    from ppow_trl.serving.packaged import weights_digest
+
+    target, _, close = make_target_and_drafters(seed=0, noise=0.02)
+    again, _, _ = make_target_and_drafters(seed=0, noise=0.02)
+    assert weights_digest(target) == weights_digest(again)
+    assert weights_digest(target) != weights_digest(close)
+    with torch.no_grad():
+        again.model.norm.weight[0] += 1e-6
+    assert weights_digest(target) != weights_digest(again)
 
 
 def test_serving_runtime_compiles_target_and_standalone_drafter_and_times_them(models):

@@ -12,11 +12,15 @@ How:
   and ``new_cache()`` gives a transformers ``StaticCache`` of ``max_cache_len`` positions, allocated up front.
 - A call with ``q <= max_rows`` rows over such a cache runs the compiled graph for ``q`` rows (static shapes, one
   graph per ``q``); longer calls (the prompt's prefill) run eagerly over the same cache.
-- ``warm_up()`` compiles every row count with a progress bar. After it, every compiled call runs under
-  ``torch.compiler.set_stance("fail_on_recompile")``: a recompilation inside the served loop is an error, not a
-  silent minute-long stall.
-- Inductor's on-disk cache lives under ``cache_root() / "inductor" / <key>``, the key naming torch's version, the CPU's
-  instruction sets, the thread count and the settings (inductor's own key does not name the CPU).
+- ``warm_up()`` compiles every row count with a progress bar. By default (``CompileSettings.packaged``) each row
+  count's graph is an AOTInductor package on disk (``ppow_trl.serving.packaged``): the first process builds it, the
+  next ones load it in seconds, and nothing can compile inside the served loop (a row count without a package is an
+  error after the warm-up). With ``packaged=False`` (or a model ``torch.export`` cannot take), ``torch.compile``
+  traces the graphs in every process, and after the warm-up every call runs under
+  ``torch.compiler.set_stance("fail_on_recompile")``.
+- The on-disk caches (packages, inductor's kernels and autotuning) live under ``cache_root() / "inductor" / <key>``,
+  the key naming torch's version, the CPU's instruction sets, the thread count and the settings (inductor's own key
+  does not name the CPU).
 - A row's logits must not depend on how many rows one call scores, or speculation could pick another token than
   plain decoding at a near tie. Left to itself, inductor lowers attention for one query row into a product and a sum
   but for several rows into a GEMM (two summation orders), and at low precision it rounds an intermediate only where
@@ -48,9 +52,11 @@ from unittest import mock
 
 import torch
 import torch._inductor.config
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..utils import cache_root, cpu_flags
 from .attention import fixed_rows_attention
+from .packaged import build_package, cache_state, load_package, package_path, weights_digest
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +71,11 @@ class CompileSettings:
             On by default: on SmolLM2 fp32 (AMD EPYC, AVX-512) it made the decode step 2.1x faster than eager and a
             2-4 row verify cost 0.96-1.03 steps; freezing alone gained 1.1x and kept eager's 1.6-2x verify costs
             (benchmarks/results/compiled_runtime_settings.md).
-        gemm_backends: ``max_autotune_gemm_backends``, e.g. ``"CPP,ATEN"``.
+        gemm_backends: ``max_autotune_gemm_backends``; ``None`` (the default): ``"CPP"`` with ``row_independent``,
+            else ``"CPP,ATEN"``. Why only the C++ template for row independence: max-autotune picks the fastest
+            kernel per shape by timing, and where it picked ATen's GEMM for one row count (SmolLM2 fp32, 5 rows, 2 of
+            the layers' GEMMs) that graph's rows differed from the decode step's in every row: the C++ template
+            gives a row the same bits whatever the row count, but only if every row count runs it.
         row_independent: compile so that a row's logits do not depend on how many rows one call scores, so that
             greedy speculative decoding gives plain decoding's tokens bitwise, by construction, at every precision
             (module docstring): attention padded to ``max_rows`` query rows in every graph
@@ -73,14 +83,24 @@ class CompileSettings:
             construction is worth its cost (SmolLM2, AMD EPYC, 1 thread, benchmarks/row_independence.py: the decode
             step about 1.1x as long, a 2-5 row verify 0.90-1.01x). Off: the graphs PyTorch's own attention gives,
             whose verify rows differed from the decode steps' in the last bits.
+        packaged: keep each graph as an AOTInductor package on disk (``ppow_trl.serving.packaged``), loaded in
+            seconds by the next process, instead of ``torch.compile``'s graphs, which every process traces and
+            freezes again before inductor's disk cache answers (SmolLM2 fp32, 5 row counts, AMD EPYC: 274 s warm).
+            Where exporting fails, the runtime says so in one line and compiles with ``torch.compile``.
         extra: more inductor options, passed as they are.
     """
 
     freezing: bool = True
     max_autotune: bool = True
-    gemm_backends: str = "CPP,ATEN"
+    gemm_backends: str | None = None
     row_independent: bool = True
+    packaged: bool = True
     extra: dict = field(default_factory=dict)
+
+    @property
+    def backends(self) -> str:
+        """``gemm_backends`` as used (its docstring)."""
+        return self.gemm_backends or ("CPP" if self.row_independent else "CPP,ATEN")
 
     def options(self) -> dict:
         options = {"freezing": self.freezing, "max_autotune": self.max_autotune, **self.extra}
@@ -90,15 +110,17 @@ class CompileSettings:
             # the decode step's without it, none with it, for 0.2 ms a step).
             options["emulate_precision_casts"] = True
         if self.max_autotune:
-            options["max_autotune_gemm_backends"] = self.gemm_backends
+            options["max_autotune_gemm_backends"] = self.backends
         return options
 
     def label(self) -> str:
         parts = ["freezing" if self.freezing else "no-freezing"]
         if self.max_autotune:
-            parts.append(f"max-autotune[{self.gemm_backends}]")
+            parts.append(f"max-autotune[{self.backends}]")
         if self.row_independent:
             parts.append("row-independent")
+        if self.packaged:
+            parts.append("packaged")
         parts += [f"{k}={v}" for k, v in sorted(self.extra.items())]
         return "+".join(parts)
 
@@ -155,7 +177,9 @@ def compile_context(settings: CompileSettings):
 _STATIC_CACHES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 """model -> {max_cache_len: StaticCache}: the one static cache of each model and length (``new_cache``)."""
 _SETTINGS: "weakref.WeakKeyDictionary[torch.nn.Module, CompileSettings]" = weakref.WeakKeyDictionary()
-"""model -> the settings its graphs were compiled with in this process."""
+"""model -> the settings its torch.compile graphs were compiled with in this process."""
+_PACKAGES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+"""model -> {package path: loaded package}: each package loaded once per process (runtimes over one model share)."""
 
 
 _MUTABLE_REGISTRIES = ("_CAN_RECORD_REGISTRY",)
@@ -187,6 +211,19 @@ class CompiledCausalLM(torch.nn.Module):
         self.model = model.eval()
         self.max_rows, self.max_cache_len = int(max_rows), int(max_cache_len)
         self.settings = settings or CompileSettings()
+        self.cache_dir = use_compile_cache(self.settings)
+        self.packaged = self.settings.packaged
+        self._compiled = None
+        self._packages: dict[int, object] = {}  # rows -> loaded package (packaged)
+        self._digest: str | None = None
+        self.packages_built = 0  # packages compiled (not loaded from disk) by this runtime
+        if not self.packaged:
+            self._compile_with_dynamo()
+        self.warm = False
+        self.compile_seconds: float | None = None
+
+    def _compile_with_dynamo(self):
+        """``torch.compile`` the model (``settings.packaged=False``, or a model that could not be exported)."""
         # Dynamo's guards do not see inductor's settings: a second runtime over this model with other settings would
         # run the first one's graphs. One set of settings per model in a process (torch._dynamo.reset() to change).
         first = _SETTINGS.setdefault(self.model, self.settings)
@@ -194,7 +231,6 @@ class CompiledCausalLM(torch.nn.Module):
             raise ValueError(f"This model was already compiled with {first.label()} in this process; a runtime with "
                              f"{self.settings.label()} would run those graphs. Use the same settings, or call "
                              "torch._dynamo.reset() and compile again.")
-        self.cache_dir = use_compile_cache(self.settings)
         # One compiled function; dynamo compiles one graph per row count (dynamic=False) and guards on the shape.
         # Every graph of every compiled model shares dynamo's per-code recompile limit (8 by default): each runtime
         # made in a process adds its row counts to it (a test process that built six runtimes hit a fixed limit of 24
@@ -206,8 +242,7 @@ class CompiledCausalLM(torch.nn.Module):
         # chosen (SmolLM2's lm head: 9.7/24.0/35.7 ms for 1/2/3 rows either way, 4.5/4.2/3.8 ms with the config set).
         self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False,
                                        options={"guard_filter_fn": _skip_registry_guards} if _HAS_GUARD_FILTER else None)
-        self.warm = False
-        self.compile_seconds: float | None = None
+        self.packaged = False
 
     # --- everything else the serving loop reads (config, generation_config, get_output_embeddings, ...) -----------
     def __getattr__(self, name):
@@ -279,32 +314,73 @@ class CompiledCausalLM(torch.nn.Module):
             out.logits = out.logits[:, -logits_to_keep:]
         return out
 
+    def _attention(self):
+        """The attention the graphs are traced with: padded to ``max_rows`` rows when ``settings.row_independent``."""
+        return (fixed_rows_attention(self.model, self.max_rows) if self.settings.row_independent
+                else contextlib.nullcontext())
+
     def _call_compiled(self, input_ids, position_ids, cache):
-        """The compiled graph of this row count (attention padded to ``max_rows`` rows when
-        ``settings.row_independent``); after ``warm_up`` a shape it did not compile is an error."""
+        """The compiled graph of this row count; after ``warm_up`` a shape it did not compile is an error."""
+        if self.packaged:
+            run = self._packages.get(input_ids.shape[1])
+            if run is None:
+                if self.warm:
+                    raise RuntimeError(f"No compiled graph for {input_ids.shape[1]} rows after the warm-up (rows "
+                                       f"1..{self.max_rows} were compiled).")
+                run = self._packages[input_ids.shape[1]] = self._load_or_build(input_ids.shape[1], cache)
+            with torch.no_grad():
+                logits = run(input_ids, position_ids, *cache_state(cache))
+            return CausalLMOutputWithPast(logits=logits, cache=cache)
         stance = (torch.compiler.set_stance("fail_on_recompile") if self.warm else compile_context(self.settings))
-        attention = (fixed_rows_attention(self.model, self.max_rows) if self.settings.row_independent
-                     else contextlib.nullcontext())
-        with torch.no_grad(), attention, stance:
+        with torch.no_grad(), self._attention(), stance:
             return self._compiled(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+
+    def _load_or_build(self, rows: int, cache):
+        """The package of this row count, loaded once per process and model; built first when the disk has none."""
+        if self._digest is None:
+            self._digest = weights_digest(self.model)
+        path = package_path(self.cache_dir, self._digest, rows, self.max_rows, self.max_cache_len)
+        loaded = _PACKAGES.setdefault(self.model, {})
+        if path not in loaded:
+            if not path.exists():
+                build_package(self.model, cache, rows, path, compile_context=compile_context(self.settings),
+                              attention=self._attention())
+                self.packages_built += 1
+            loaded[path] = load_package(path)
+        return loaded[path]
 
     @torch.no_grad()
     def warm_up(self, progress: bool = True) -> float:
-        """Compile every row count ``1..max_rows`` (from inductor's disk cache when it holds them); seconds taken."""
-        from tqdm.auto import tqdm
-
+        """Compile every row count ``1..max_rows``, or load it from the disk cache; seconds taken. Packages that cannot
+        be built (a model ``torch.export`` cannot take) are said in one line, and torch.compile compiles instead."""
         started = time.perf_counter()
-        cache = self.new_cache()
-        token = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
-        bar = tqdm(range(1, self.max_rows + 1), desc=f"Compiling {type(self.model).__name__} ({self.settings.label()})",
-                   unit="shape", disable=not progress)
-        for rows in bar:
-            ids = token.repeat(1, rows)
-            positions = torch.arange(rows, device=ids.device).unsqueeze(0)
-            self._call_compiled(ids, positions, cache)
-            cache.crop(-rows)
+        try:
+            self._warm_every_row_count(progress)
+        except Exception as error:  # noqa: BLE001 - any failure to package: torch.compile instead, said once
+            if not self.packaged:
+                raise
+            logger.warning("AOTInductor packaging failed (%s: %s); compiling with torch.compile instead (every process "
+                           "then compiles again).", type(error).__name__,
+                           str(error).splitlines()[0][:200] if str(error) else "")
+            self._packages.clear()
+            self._compile_with_dynamo()
+            self._warm_every_row_count(progress)
         self.warm = True
         self.compile_seconds = time.perf_counter() - started
         logger.info("Compiled %d shapes in %.0f s (inductor cache %s)", self.max_rows, self.compile_seconds,
                     self.cache_dir)
         return self.compile_seconds
+
+    def _warm_every_row_count(self, progress: bool) -> None:
+        """Run each row count once over the static cache (compiling, building or loading its graph), a bar per shape."""
+        from tqdm.auto import tqdm
+
+        cache = self.new_cache()
+        token = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
+        what = "Loading or building" if self.packaged else "Compiling"
+        bar = tqdm(range(1, self.max_rows + 1), desc=f"{what} {type(self.model).__name__} ({self.settings.label()})",
+                   unit="shape", disable=not progress)
+        for rows in bar:
+            ids = token.repeat(1, rows)
+            self._call_compiled(ids, torch.arange(rows, device=ids.device).unsqueeze(0), cache)
+            cache.crop(-rows)
