@@ -283,10 +283,16 @@ def compiled_runtime_settings(results: Path):
                [[r["setting"], r.get("dtype", "-"), num(r.get("t_t_ms"), 2)] + [num(r.get(k), 3) for k in verify]
                 + [num(r.get("cold_compile_s"), 1), num(r.get("warm_start_s"), 1), num(r.get("warm_t_t_ms"), 2),
                    num(r.get("process_s"), 1)] for r in rows]),
-        "Rows without a dtype ran the fp32 weights (the script's convention). Reading: compiling (freezing + "
-        "max-autotune) cuts the one-token step and flattens the verification costs against eager, at a one-off cold "
-        "compile per machine that the cache under the cache root then saves (the warm-start column); the runtime's "
-        "design and its cache: the compiled runtime page.", "",
+        "Rows without a dtype ran the fp32 weights (the script's convention). Settings: `freezing+max-autotune` is "
+        "torch.compile over PyTorch's attention with the C++ and ATen GEMMs (the defaults before row independence); "
+        "`row-independent` pads attention to K_max + 1 rows and uses only the C++ GEMM template, compiled by "
+        "torch.compile in each process; `packaged` (the default) keeps the same graphs as AOTInductor packages on "
+        "disk. Reading: compiling (freezing + max-autotune) cuts the one-token step and flattens the verification "
+        "costs against eager, at a one-off cold compile per machine; a torch.compile process still traces and freezes "
+        "the model again from a filled cache (the warm-start column), a packaged one loads the finished graphs, and "
+        "its C++ wrapper calls the kernels without Python in between (a shorter step). Rows ran in separate "
+        "processes at different times: compare them with that noise in mind. The runtime's design and its cache: the "
+        "compiled runtime page.", "",
         *script_tables(results, ["compiled_runtime_settings.md"]),
     ]
     return "Compiled runtime settings", lines
