@@ -19,6 +19,9 @@ head), then the real rows are kept and rounded to the activations' dtype once. T
 decode step now scores K_max + 1 rows against every cache position (SmolLM2, 30 layers, 512 positions, AMD EPYC,
 1 thread: the decode step 1.09x [1.08, 1.10] int8 and 1.11x [1.01, 1.22] fp32 PyTorch's attention's, a 2-5 row
 verify 0.90-1.01x; benchmarks/row_independence.py).
+Why not drop the padding now that the runtime uses only the C++ GEMM template (``CompileSettings.backends``)? Unpadded,
+that template's rows were bitwise too (a 6-layer Llama of SmolLM2's shape, fp32, L = 2..5), but its decode step took
+1.23x the padded one's (14.7 vs 12.1 ms, AMD EPYC, 1 thread, torch.compile): the padded shape is also the faster one.
 Longer calls (a prompt's prefill, run eagerly) are not padded: no compiled row is compared with a prefill row.
 
 It is registered with transformers' ``AttentionInterface`` once per row count (``register_fixed_rows_attention``,
