@@ -384,7 +384,8 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
     result = [None, None]
     serving = None
     if trainer.accelerator.is_main_process:
-        # The trainer's cost model was measured on the same runtime (same static cache length): no new compile.
+        # The trainer's cost model was measured on the same runtime (same static cache length): the target's graphs
+        # are loaded, not compiled; the trained drafter has other weights, so its packages are built here.
         serving = serving_runtime(trainer.target, drafter.eval(), runtime=training_args.runtime,
                                   max_window=training_args.max_window, precision=training_args.serving_precision,
                                   settings=training_args.compile_settings())

@@ -76,7 +76,7 @@ def test_nothing_recompiles_in_the_served_loop(models):
 
 
 
-def test_a_model_that_cannot_be_packaged_is_compiled_by_torch_compile(monkeypatch, caplog):
+def test_a_model_that_cannot_be_packaged_is_compiled_by_torch_compile(monkeypatch, caplog, tmp_path):
     """Where a package cannot be built (a model ``torch.export`` cannot take), one warning line, then torch.compile's
     graphs (``packaged=False`` gives the same), with a recompile after the warm-up an error. Instantiating any new PreTrainedModel class registers it in transformers'
     output-capturing registry, which the traced forward reads: without the guard filter every later call failed its
@@ -101,6 +101,7 @@ def test_a_model_that_cannot_be_packaged_is_compiled_by_torch_compile(monkeypatc
         raise RuntimeError("export failed\nlong traceback")
 
     monkeypatch.setattr(compiled_module, "build_package", cannot_export)
+    monkeypatch.setenv("PPOW_TRL_CACHE", str(tmp_path))
     target, _, _ = make_target_and_drafters(seed=3)
     compiled = CompiledCausalLM(target, max_rows=2, max_cache_len=32)
     with caplog.at_level("WARNING"):

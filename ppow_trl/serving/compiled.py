@@ -328,8 +328,8 @@ class CompiledCausalLM(torch.nn.Module):
                     raise RuntimeError(f"No compiled graph for {input_ids.shape[1]} rows after the warm-up (rows "
                                        f"1..{self.max_rows} were compiled).")
                 run = self._packages[input_ids.shape[1]] = self._load_or_build(input_ids.shape[1], cache)
-            with torch.no_grad():
-                logits = run(input_ids, position_ids, *cache_state(cache))
+            with torch.no_grad():  # a package does not check its inputs: the dtypes it was built for
+                logits = run(input_ids.long(), position_ids.long(), *cache_state(cache))
             return CausalLMOutputWithPast(logits=logits, cache=cache)
         stance = (torch.compiler.set_stance("fail_on_recompile") if self.warm else compile_context(self.settings))
         with torch.no_grad(), self._attention(), stance:
@@ -338,7 +338,9 @@ class CompiledCausalLM(torch.nn.Module):
     def _load_or_build(self, rows: int, cache):
         """The package of this row count, loaded once per process and model; built first when the disk has none."""
         if self._digest is None:
-            self._digest = weights_digest(self.model)
+            # the weights and the code the graph was traced from, and the settings' key: a folder the user chose
+            # with TORCHINDUCTOR_CACHE_DIR does not name the settings, torch, the CPU or the threads
+            self._digest = f"{compile_cache_dir(self.settings).name}-{weights_digest(self.model)}"
         path = package_path(self.cache_dir, self._digest, rows, self.max_rows, self.max_cache_len)
         loaded = _PACKAGES.setdefault(self.model, {})
         if path not in loaded:
@@ -363,6 +365,7 @@ class CompiledCausalLM(torch.nn.Module):
                            "then compiles again).", type(error).__name__,
                            str(error).splitlines()[0][:200] if str(error) else "")
             self._packages.clear()
+            _PACKAGES.pop(self.model, None)  # packages loaded before the failure: not served, not kept in memory
             self._compile_with_dynamo()
             self._warm_every_row_count(progress)
         self.warm = True

@@ -13,9 +13,12 @@ How:
   that the graph updates in place. A package holds no cache: it serves the runtime's ``StaticCache``, which the
   eager prefill and ``crop_cache`` share.
 - A package embeds the weights, so its name is keyed by them: ``weights_digest`` hashes every parameter and buffer
-  (name, dtype, shape, bytes) and the config. A trained drafter or a converted target gets packages of its own, and a
-  package can never serve weights other than the ones it was built from. The folder (``compile_cache_dir``) already
-  names torch's version, the CPU's instruction sets, the thread count and the inductor settings.
+  (name, dtype, shape, bytes), the config, transformers' version and the source of this module and of the attention
+  it traces. A trained drafter or a converted target gets packages of its own, and a package can never serve weights
+  or code other than the ones it was built from. The runtime adds the settings' key (``compile_cache_dir``'s name:
+  torch's version, the CPU's instruction sets, the thread count, the inductor settings).
+- Only full static caches (``StaticLayer``): a sliding-window layer keeps its length in a Python int that a traced
+  graph would freeze; ``build_package`` refuses it, and the runtime compiles with torch.compile instead.
 - A package is written under a temporary name and renamed when complete: an interrupted build leaves nothing that a
   later process could load.
 """
@@ -26,6 +29,7 @@ import contextlib
 import hashlib
 import itertools
 import os
+import uuid
 from pathlib import Path
 
 import torch
@@ -63,7 +67,13 @@ class CacheStep(torch.nn.Module):
 def weights_digest(model) -> str:
     """A hash of what a package embeds: every parameter and buffer (name, dtype, shape, bytes) and the config.
     About a second for SmolLM2's 0.5 GB."""
+    import transformers
+
     digest = hashlib.blake2b(digest_size=12)
+    # the code a graph is traced from: transformers' model code, and this runtime's cache step and attention
+    digest.update(transformers.__version__.encode())
+    for source in (Path(__file__), Path(__file__).with_name("attention.py")):
+        digest.update(source.read_bytes())
     config = getattr(model, "config", None)
     digest.update((config.to_json_string() if hasattr(config, "to_json_string") else type(model).__name__).encode())
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
@@ -83,6 +93,10 @@ def build_package(model, cache, rows: int, path: Path, *, compile_context, atten
     ``path`` (under ``compile_context``: the inductor settings; ``attention``: the attention the graph is traced
     with). The cache's contents are not changed: export traces with fake tensors."""
     global BUILT
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    if kinds != {"StaticLayer"}:
+        # a sliding-window layer keeps its length in a Python int, which a traced graph would freeze
+        raise ValueError(f"Packages serve full static caches only (StaticLayer); this cache has {sorted(kinds)}.")
     device = cache.layers[0].keys.device
     ids = torch.zeros((1, rows), dtype=torch.long, device=device)
     positions = torch.arange(rows, device=device).unsqueeze(0)
@@ -90,7 +104,7 @@ def build_package(model, cache, rows: int, path: Path, *, compile_context, atten
         exported = torch.export.export(CacheStep(model, cache).eval(), (ids, positions, *cache_state(cache)),
                                        strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.pt2")  # unique across processes and hosts
     try:
         with compile_context:
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
