@@ -10,6 +10,7 @@ figure is a median. Each setting runs in child processes, so that compiling one 
     python benchmarks/compiled_runtime_settings.py [--settings eager,freezing,freezing+max-autotune] [--reps 30]
     python benchmarks/compiled_runtime_settings.py --settings bf16:eager,bf16:freezing+max-autotune --append
     python benchmarks/compiled_runtime_settings.py --settings row-independent,packaged --append
+    python benchmarks/compiled_runtime_settings.py --settings packaged,packaged-1-worker --append
 
 Writes benchmarks/results/compiled_runtime_settings.json and .md.
 """
@@ -35,9 +36,14 @@ SETTINGS = {
                               "row_independent": False, "packaged": False},
     # row-independent graphs (attention padded to K_max + 1 rows, only the C++ GEMM template), torch.compile
     "row-independent": {"packaged": False},
-    # the defaults: row-independent graphs kept as AOTInductor packages (a warm start loads them)
+    # the defaults: row-independent graphs kept as AOTInductor packages (a warm start loads them), built several at
+    # once in worker processes (2 on a 2-core machine at one thread)
     "packaged": {},
+    # the same packages built one by one in the serving process
+    "packaged-1-worker": {},
 }
+ENVIRONMENT = {"packaged-1-worker": {"PPOW_TRL_BUILD_WORKERS": "1"}}
+"""Environment variables of a setting's processes (what is not an inductor setting)."""
 # A setting may name a weight dtype: "bf16:eager", "bf16:freezing+max-autotune" (fewer bytes per decoded token).
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -88,7 +94,7 @@ def child(name: str, reps: int) -> dict:
 
 def run_child(name: str, reps: int, cache_dir: str) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
-           "OMP_NUM_THREADS": "1", "PPOW_TRL_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "PPOW_TRL_NUM_THREADS": "1", **ENVIRONMENT.get(_split(name)[1], {})}
     started = time.perf_counter()
     result = subprocess.run([sys.executable, __file__, "--child", name, "--reps", str(reps)], env=env,
                             capture_output=True, text=True, cwd=REPO)

@@ -12,6 +12,9 @@ torch.set_num_threads(int(os.environ.get("PPOW_TRL_NUM_THREADS", "1")))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Packages built one at a time in the test process: the suite already runs two test processes on two cores
+# (test_compiled.py's second-process test builds with two workers, explicitly).
+os.environ.setdefault("PPOW_TRL_BUILD_WORKERS", "1")
 
 TINY_WORDS = [f"w{i}" for i in range(56)]
 CHAT_TEMPLATE = (

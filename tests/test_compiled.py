@@ -100,7 +100,7 @@ def test_a_model_that_cannot_be_packaged_is_compiled_by_torch_compile(monkeypatc
     def cannot_export(*args, **kwargs):
         raise RuntimeError("export failed\nlong traceback")
 
-    monkeypatch.setattr(compiled_module, "build_package", cannot_export)
+    monkeypatch.setattr(compiled_module, "build_packages", cannot_export)
     monkeypatch.setenv("PPOW_TRL_CACHE", str(tmp_path))
     target, _, _ = make_target_and_drafters(seed=3)
     compiled = CompiledCausalLM(target, max_rows=2, max_cache_len=32)
@@ -109,6 +109,7 @@ def test_a_model_that_cannot_be_packaged_is_compiled_by_torch_compile(monkeypatc
     assert "AOTInductor packaging failed (RuntimeError: export failed)" in caplog.text
     assert "long traceback" not in caplog.text
     assert not compiled.packaged and compiled.packages_built == 0
+    assert "torch.compile (packaging failed)" in compiled.label() and "packaged" in compiled.settings.label()
     ids = torch.randint(8, 64, (1, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         before = greedy_continuation(compiled, ids[0].tolist(), 6, 64)
@@ -230,34 +231,41 @@ with torch.no_grad():
     cache = compiled.new_cache()
     compiled(input_ids=ids[:, :4], cache=cache)
     logits = [compiled(input_ids=ids[:, i:i + 1], cache=cache).logits[0, -1].tolist() for i in range(4, 6)]
-print(json.dumps({{"built": compiled.packages_built, "seconds": seconds, "logits": logits}}))
+print(json.dumps({{"built": compiled.packages_built, "workers": compiled.build_workers, "seconds": seconds,
+                  "logits": logits}}))
 """
 
 
 def test_a_second_process_loads_the_packages_from_disk(tmp_path):
     """The first process builds one AOTInductor package per row count under the cache root (not inductor's /tmp
-    default, which inductor writes into the environment); a second process builds nothing, loads them and computes
-    the same logits bitwise."""
+    default, which inductor writes into the environment), two at once in worker processes; a second process builds
+    nothing, loads them and computes the same logits bitwise, and so does a process that built them one by one in
+    itself (the workers compile with the same settings and thread count)."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    env = {**os.environ, "PPOW_TRL_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    env.pop("PPOW_TRL_INDUCTOR_CACHE_SET", None)
     script = SECOND_PROCESS.format(tests=str(Path(__file__).parent))
-    runs = []
-    for _ in range(2):
+
+    def run(cache: Path, workers: int) -> dict:
+        env = {**os.environ, "PPOW_TRL_CACHE": str(cache), "OMP_NUM_THREADS": "1",
+               "PPOW_TRL_BUILD_WORKERS": str(workers)}
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        env.pop("PPOW_TRL_INDUCTOR_CACHE_SET", None)
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
-    assert len(list((tmp_path / "inductor").glob("*/packages/*/rows*.pt2"))) == 2
-    assert not list(tmp_path.glob("**/*.partial*"))
-    assert cold["built"] == 2 and warm["built"] == 0
-    assert warm["logits"] == cold["logits"]
+        assert "packaging failed" not in done.stderr, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(tmp_path / "a", workers=2), run(tmp_path / "a", workers=2)
+    one_by_one = run(tmp_path / "b", workers=1)
+    assert len(list((tmp_path / "a" / "inductor").glob("*/packages/*/rows*.pt2"))) == 2
+    assert not list(tmp_path.glob("**/*.partial*")) and not list(tmp_path.glob("**/*.exported*"))
+    assert (cold["built"], cold["workers"]) == (2, 2) and warm["built"] == 0
+    assert (one_by_one["built"], one_by_one["workers"]) == (2, 1)
+    assert warm["logits"] == cold["logits"] == one_by_one["logits"]
     assert warm["seconds"] < cold["seconds"] / 3
 
 

@@ -32,146 +32,30 @@ How:
 - Rolling back after a rejected window is ``crop_cache``: a static cache only moves its length back; the stale rows
   are masked, then overwritten.
 
-``CompileSettings`` holds the inductor options; ``benchmarks/compiled_runtime_settings.py`` measures them (cold and
-warm compile seconds, t_t, t_v(L)) to choose the defaults.
+``CompileSettings`` (``ppow_trl.serving.inductor_settings``) holds the inductor options;
+``benchmarks/compiled_runtime_settings.py`` measures them (cold and warm compile seconds, t_t, t_v(L)) to choose the
+defaults.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
+import itertools
 import logging
-import os
 import time
-import warnings
 import weakref
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from unittest import mock
 
 import torch
-import torch._inductor.config
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..utils import cache_root, cpu_flags
 from .attention import fixed_rows_attention
-from .packaged import build_package, cache_state, load_package, package_path, weights_digest
+from .inductor_settings import CompileSettings, compile_cache_dir, compile_context, use_compile_cache
+from .packaged import build_packages, build_workers, cache_state, load_package, package_path, weights_digest
+
+__all__ = ["CompileSettings", "CompiledCausalLM", "compile_cache_dir", "compile_context", "use_compile_cache"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CompileSettings:
-    """Inductor options of the compiled runtime.
-
-    Attributes:
-        freezing: weights become constants, folded and pre-packed for the CPU GEMM kernels (needs ``no_grad``).
-        max_autotune: benchmark GEMM implementations per shape (slower to compile; C++ GEMM templates need it).
-            On by default: on SmolLM2 fp32 (AMD EPYC, AVX-512) it made the decode step 2.1x faster than eager and a
-            2-4 row verify cost 0.96-1.03 steps; freezing alone gained 1.1x and kept eager's 1.6-2x verify costs
-            (benchmarks/results/compiled_runtime_settings.md).
-        gemm_backends: ``max_autotune_gemm_backends``; ``None`` (the default): ``"CPP"`` with ``row_independent``,
-            else ``"CPP,ATEN"``. Why only the C++ template for row independence: max-autotune picks the fastest
-            kernel per shape by timing, and where it picked ATen's GEMM for one row count (SmolLM2 fp32, 5 rows, 2 of
-            the layers' GEMMs) that graph's rows differed from the decode step's in every row: the C++ template
-            gives a row the same bits whatever the row count, but only if every row count runs it.
-        row_independent: compile so that a row's logits do not depend on how many rows one call scores, so that
-            greedy speculative decoding gives plain decoding's tokens bitwise, by construction, at every precision
-            (module docstring): attention padded to ``max_rows`` query rows in every graph
-            (``ppow_trl.serving.attention``) and inductor's ``emulate_precision_casts``. On by default: lossless by
-            construction is worth its cost (SmolLM2, AMD EPYC, 1 thread, benchmarks/row_independence.py: the decode
-            step about 1.1x as long, a 2-5 row verify 0.90-1.01x). Off: the graphs PyTorch's own attention gives,
-            whose verify rows differed from the decode steps' in the last bits.
-        packaged: keep each graph as an AOTInductor package on disk (``ppow_trl.serving.packaged``), loaded in
-            seconds by the next process, instead of ``torch.compile``'s graphs, which every process traces and
-            freezes again before inductor's disk cache answers (SmolLM2 fp32, 5 row counts, AMD EPYC: 274 s warm).
-            Where exporting fails, the runtime says so in one line and compiles with ``torch.compile``.
-        extra: more inductor options, passed as they are.
-    """
-
-    freezing: bool = True
-    max_autotune: bool = True
-    gemm_backends: str | None = None
-    row_independent: bool = True
-    packaged: bool = True
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def backends(self) -> str:
-        """``gemm_backends`` as used (its docstring)."""
-        return self.gemm_backends or ("CPP" if self.row_independent else "CPP,ATEN")
-
-    def options(self) -> dict:
-        options = {"freezing": self.freezing, "max_autotune": self.max_autotune, **self.extra}
-        if self.row_independent:
-            # Round bf16 values where the graph says so, also inside fused kernels: which ops fuse depends on the row
-            # count (a 6-layer int8 Llama with a fp32 stream and padded attention: every verified row differed from
-            # the decode step's without it, none with it, for 0.2 ms a step).
-            options["emulate_precision_casts"] = True
-        if self.max_autotune:
-            options["max_autotune_gemm_backends"] = self.backends
-        return options
-
-    def label(self) -> str:
-        parts = ["freezing" if self.freezing else "no-freezing"]
-        if self.max_autotune:
-            parts.append(f"max-autotune[{self.backends}]")
-        if self.row_independent:
-            parts.append("row-independent")
-        if self.packaged:
-            parts.append("packaged")
-        parts += [f"{k}={v}" for k, v in sorted(self.extra.items())]
-        return "+".join(parts)
-
-
-def compile_cache_dir(settings: CompileSettings, root: Path | None = None) -> Path:
-    """``cache_root()/inductor/<key>``: one inductor cache per torch build, CPU instruction sets, threads, settings."""
-    options = asdict(settings)
-    key = {"torch": torch.__version__, "cpu": sorted(cpu_flags()), "threads": torch.get_num_threads(),
-           "settings": options}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return (root or cache_root()) / "inductor" / digest
-
-
-def use_compile_cache(settings: CompileSettings) -> Path:
-    """Point inductor's on-disk cache at ``compile_cache_dir(settings)`` before anything compiles, unless the user
-    chose a folder with ``TORCHINDUCTOR_CACHE_DIR``; returns the folder in use.
-
-    Inductor writes its default (``/tmp/torchinductor_<user>``) into ``TORCHINDUCTOR_CACHE_DIR`` the first time it
-    asks for its cache folder, so a value equal to that default is not a user's choice: left alone, the compiled
-    graphs went to /tmp, which a reboot or a fresh machine empties."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    ours = os.environ.get("PPOW_TRL_INDUCTOR_CACHE_SET")
-    if current and not ours and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
-        return Path(current)
-    folder = compile_cache_dir(settings)
-    folder.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    os.environ["PPOW_TRL_INDUCTOR_CACHE_SET"] = "1"
-    return folder
-
-
-@contextlib.contextmanager
-def compile_context(settings: CompileSettings):
-    """What compiling runs under: ``settings`` in inductor's global config, and MKL's weight packing off.
-
-    Why MKL off: with ``freezing``, inductor packs fp32 linear weights for MKL (``mkl._mkl_reorder_linear_weight``),
-    an opaque tensor that its FX graph cache cannot key ("mkldnn tensors unpickleable"), so every process compiled
-    every graph again (SmolLM2, 5 shapes: a 307 s "warm" start). With the pass off the C++ GEMM template (which packs
-    its own weights) is still chosen, and the graphs come back from the disk cache (a tiny Llama: 67 s cold, 4.9 s
-    warm). Only compiling sees the flag; the compiled kernels and eager code do not read it.
-    """
-    import torch._inductor.select_algorithm as select_algorithm
-
-    with torch._inductor.config.patch(settings.options()), mock.patch.object(torch._C, "has_mkl", False), \
-            mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False), warnings.catch_warnings():
-        # Quiet: max-autotune prints a table per GEMM (hundreds) over the warm-up's progress bar (not part of the
-        # cache key, unlike inductor's config), and inductor's own use of a deprecated storage API warns.
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        yield
 
 
 _STATIC_CACHES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -212,12 +96,12 @@ class CompiledCausalLM(torch.nn.Module):
         self.max_rows, self.max_cache_len = int(max_rows), int(max_cache_len)
         self.settings = settings or CompileSettings()
         self.cache_dir = use_compile_cache(self.settings)
-        self.packaged = self.settings.packaged
-        self._compiled = None
+        self._compiled = None  # the torch.compile'd model; None while packages serve (``packaged``)
         self._packages: dict[int, object] = {}  # rows -> loaded package (packaged)
         self._digest: str | None = None
         self.packages_built = 0  # packages compiled (not loaded from disk) by this runtime
-        if not self.packaged:
+        self.build_workers = 0  # how many of them were built at once (processes), the last time any were
+        if not self.settings.packaged:
             self._compile_with_dynamo()
         self.warm = False
         self.compile_seconds: float | None = None
@@ -242,7 +126,20 @@ class CompiledCausalLM(torch.nn.Module):
         # chosen (SmolLM2's lm head: 9.7/24.0/35.7 ms for 1/2/3 rows either way, 4.5/4.2/3.8 ms with the config set).
         self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False,
                                        options={"guard_filter_fn": _skip_registry_guards} if _HAS_GUARD_FILTER else None)
-        self.packaged = False
+
+    @property
+    def packaged(self) -> bool:
+        """Whether AOTInductor packages serve the graphs (else torch.compile: ``settings.packaged=False``, or a
+        fallback after packaging failed)."""
+        return self._compiled is None
+
+    def label(self) -> str:
+        """The settings the graphs were compiled with, as served: ``settings.label()``, naming torch.compile instead
+        of packages after a fallback."""
+        label = self.settings.label()
+        if self.settings.packaged and not self.packaged:
+            label = label.replace("packaged", "torch.compile (packaging failed)")
+        return label
 
     # --- everything else the serving loop reads (config, generation_config, get_output_embeddings, ...) -----------
     def __getattr__(self, name):
@@ -335,19 +232,39 @@ class CompiledCausalLM(torch.nn.Module):
         with torch.no_grad(), self._attention(), stance:
             return self._compiled(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
 
-    def _load_or_build(self, rows: int, cache):
-        """The package of this row count, loaded once per process and model; built first when the disk has none."""
+    def _package_path(self, rows: int) -> Path:
         if self._digest is None:
             # the weights and the code the graph was traced from, and the settings' key: a folder the user chose
             # with TORCHINDUCTOR_CACHE_DIR does not name the settings, torch, the CPU or the threads
             self._digest = f"{compile_cache_dir(self.settings).name}-{weights_digest(self.model)}"
-        path = package_path(self.cache_dir, self._digest, rows, self.max_rows, self.max_cache_len)
+        return package_path(self.cache_dir, self._digest, rows, self.max_rows, self.max_cache_len)
+
+    def _build_packages(self, rows: list[int], cache, progress: bool = False) -> None:
+        """Build the packages of ``rows`` that the disk does not hold, several at once where the machine allows
+        (``ppow_trl.serving.packaged.build_workers``), with a progress bar."""
+        from tqdm.auto import tqdm
+
+        missing = {q: self._package_path(q) for q in rows if not self._package_path(q).exists()}
+        if not missing:
+            return
+        model_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(),
+                                                                               self.model.buffers()))
+        workers = self.build_workers = build_workers(len(missing), model_bytes)
+        with tqdm(total=len(missing), unit="package", disable=not progress,
+                  desc=f"Building {type(self.model).__name__} packages ({self.label()}, {workers} at once)") as bar:
+            def built(_rows):
+                self.packages_built += 1
+                bar.update()
+
+            build_packages(self.model, cache, missing, self.settings, attention=self._attention, workers=workers,
+                           on_built=built)
+
+    def _load_or_build(self, rows: int, cache):
+        """The package of this row count, loaded once per process and model; built first when the disk has none."""
+        path = self._package_path(rows)
         loaded = _PACKAGES.setdefault(self.model, {})
         if path not in loaded:
-            if not path.exists():
-                build_package(self.model, cache, rows, path, compile_context=compile_context(self.settings),
-                              attention=self._attention())
-                self.packages_built += 1
+            self._build_packages([rows], cache)
             loaded[path] = load_package(path)
         return loaded[path]
 
@@ -379,9 +296,11 @@ class CompiledCausalLM(torch.nn.Module):
         from tqdm.auto import tqdm
 
         cache = self.new_cache()
+        if self.packaged:
+            self._build_packages(list(range(1, self.max_rows + 1)), cache, progress)
         token = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
-        what = "Loading or building" if self.packaged else "Compiling"
-        bar = tqdm(range(1, self.max_rows + 1), desc=f"{what} {type(self.model).__name__} ({self.settings.label()})",
+        what = "Loading" if self.packaged else "Compiling"
+        bar = tqdm(range(1, self.max_rows + 1), desc=f"{what} {type(self.model).__name__} ({self.label()})",
                    unit="shape", disable=not progress)
         for rows in bar:
             ids = token.repeat(1, rows)

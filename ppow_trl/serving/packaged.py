@@ -18,21 +18,32 @@ How:
   or code other than the ones it was built from. The runtime adds the settings' key (``compile_cache_dir``'s name:
   torch's version, the CPU's instruction sets, the thread count, the inductor settings).
 - Only full static caches (``StaticLayer``): a sliding-window layer keeps its length in a Python int that a traced
-  graph would freeze; ``build_package`` refuses it, and the runtime compiles with torch.compile instead.
+  graph would freeze; ``export_step`` refuses it, and the runtime compiles with torch.compile instead.
 - A package is written under a temporary name and renamed when complete: an interrupted build leaves nothing that a
   later process could load.
+- Cold builds run side by side (``build_packages``): this process exports each row count's step, and worker
+  processes compile them, as many at once as ``build_workers`` allows (cores over torch's threads, memory;
+  ``$PPOW_TRL_BUILD_WORKERS`` to choose). Inductor compiles a graph on one core, so on 2 cores at 1 thread two
+  builds take about the time of one.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import itertools
+import json
 import os
+import subprocess
+import sys
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from .inductor_settings import CompileSettings, compile_context
 
 BUILT = 0
 """Packages built (compiled, not loaded) in this process: a served loop must not add to it."""
@@ -88,11 +99,10 @@ def package_path(folder: Path, digest: str, rows: int, max_rows: int, max_cache_
     return Path(folder) / "packages" / digest / f"rows{rows}-of{max_rows}-cache{max_cache_len}.pt2"
 
 
-def build_package(model, cache, rows: int, path: Path, *, compile_context, attention=None) -> Path:
-    """Export ``model``'s forward for ``rows`` rows over ``cache`` and compile it into an AOTInductor package at
-    ``path`` (under ``compile_context``: the inductor settings; ``attention``: the attention the graph is traced
-    with). The cache's contents are not changed: export traces with fake tensors."""
-    global BUILT
+def export_step(model, cache, rows: int, attention=None):
+    """``CacheStep(model, cache)`` exported for ``rows`` rows (``attention()``: a context manager, the attention the
+    graph is traced with).
+    The cache's contents are not changed: export traces with fake tensors."""
     kinds = {type(layer).__name__ for layer in cache.layers}
     if kinds != {"StaticLayer"}:
         # a sliding-window layer keeps its length in a Python int, which a traced graph would freeze
@@ -100,19 +110,109 @@ def build_package(model, cache, rows: int, path: Path, *, compile_context, atten
     device = cache.layers[0].keys.device
     ids = torch.zeros((1, rows), dtype=torch.long, device=device)
     positions = torch.arange(rows, device=device).unsqueeze(0)
-    with torch.no_grad(), (attention or contextlib.nullcontext()):
-        exported = torch.export.export(CacheStep(model, cache).eval(), (ids, positions, *cache_state(cache)),
-                                       strict=False)
+    with torch.no_grad(), (attention() if attention else contextlib.nullcontext()):
+        return torch.export.export(CacheStep(model, cache).eval(), (ids, positions, *cache_state(cache)), strict=False)
+
+
+def compile_exported(exported, path: Path, settings: CompileSettings) -> Path:
+    """Compile an exported step into an AOTInductor package at ``path`` under ``settings``, written under a unique
+    temporary name and renamed when complete."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.pt2")  # unique across processes and hosts
     try:
-        with compile_context:
+        with compile_context(settings):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
         os.replace(partial, path)
-        BUILT += 1
     finally:
         partial.unlink(missing_ok=True)
     return path
+
+
+def build_workers(jobs: int, model_bytes: int) -> int:
+    """How many packages to build at once: ``$PPOW_TRL_BUILD_WORKERS`` if set, else the smallest of ``jobs``, the
+    usable cores over torch's thread count (a build is mostly one core of Python and C++ compiling, and its
+    benchmarks of candidate kernels run on torch's threads), and the available memory over ``4 x model_bytes`` (a
+    worker holds the exported weights and inductor's frozen, packed copy of them)."""
+    if os.environ.get("PPOW_TRL_BUILD_WORKERS"):
+        return max(1, min(jobs, int(os.environ["PPOW_TRL_BUILD_WORKERS"])))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        import psutil
+
+        memory = int(psutil.virtual_memory().available // max(1, 4 * model_bytes))
+    except ImportError:
+        memory = 1
+    return max(1, min(jobs, cores // max(1, torch.get_num_threads()), memory))
+
+
+def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettings, *, attention=None,
+                   workers: int = 1, on_built=None) -> None:
+    """Build the package of each row count in ``paths`` (rows -> package path): in this process with ``workers=1``,
+    else ``workers`` at a time, each compiled in its own process (``python -c ... _build_in_worker``) from the step
+    exported here, while this process exports the next one. Why processes: inductor compiles a graph on one core
+    (Python, then one C++ compiler call), and two builds side by side on 2 cores took about half the time.
+    ``on_built(rows)`` after each one. A failed worker raises ``RuntimeError`` with the end of its output."""
+    global BUILT
+    if workers <= 1:
+        for rows, path in paths.items():
+            compile_exported(export_step(model, cache, rows, attention), path, settings)
+            BUILT += 1
+            if on_built:
+                on_built(rows)
+        return
+    settings_json = json.dumps(asdict(settings))  # TypeError for options a worker could not be given
+    # the workers import this ppow_trl (a source checkout need not be installed): the folder above the package
+    package_parent = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
+    threads = str(torch.get_num_threads())
+
+    def compile_in_worker(rows: int, exported_file: Path) -> int:
+        try:
+            done = subprocess.run([sys.executable, "-c", _WORKER, str(exported_file), str(paths[rows]), settings_json,
+                                   threads], env=env, capture_output=True, text=True)
+        finally:
+            exported_file.unlink(missing_ok=True)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+            raise RuntimeError(f"Building the package for {rows} rows failed in a worker process (exit "
+                               f"{done.returncode}): {tail[0][:300]}")
+        return rows
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        running: set[concurrent.futures.Future] = set()
+
+        def finish(futures):
+            global BUILT
+            for future in futures:
+                running.discard(future)
+                rows = future.result()
+                BUILT += 1
+                if on_built:
+                    on_built(rows)
+
+        for rows, path in paths.items():
+            if len(running) >= workers:  # export the next step only when a worker is free for it
+                finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                finish(finished)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            exported_file = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.exported.pt2")
+            try:
+                torch.export.save(export_step(model, cache, rows, attention), str(exported_file))
+            except BaseException:
+                exported_file.unlink(missing_ok=True)
+                raise
+            running.add(pool.submit(compile_in_worker, rows, exported_file))
+        finish(concurrent.futures.wait(running).done)
+
+
+_WORKER = "from ppow_trl.serving.packaged import _build_in_worker; _build_in_worker()"
+
+
+def _build_in_worker() -> None:
+    """A worker process of ``build_packages``: ``argv = [exported step, package path, settings JSON, threads]``."""
+    exported_file, path, settings_json, threads = sys.argv[1:5]
+    torch.set_num_threads(int(threads))  # inductor writes the thread count into the C++ GEMM kernels
+    compile_exported(torch.export.load(exported_file), Path(path), CompileSettings(**json.loads(settings_json)))
 
 
 def load_package(path: Path):

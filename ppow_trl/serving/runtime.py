@@ -259,7 +259,7 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
 
             compiled_drafter = _compiled_drafter(drafter, compile_drafter)
             seconds += sum(warmed)
-            return ServingRuntime(compiled_target, compiled_drafter, "compiled", runtime, seconds, settings.label(),
+            return ServingRuntime(compiled_target, compiled_drafter, "compiled", runtime, seconds, compiled_target.label(),
                                   precision=precision)
         except Exception as error:  # noqa: BLE001 - any failure to compile means: serve eagerly, say why
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
