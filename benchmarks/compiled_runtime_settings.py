@@ -10,7 +10,7 @@ figure is a median. Each setting runs in child processes, so that compiling one 
     python benchmarks/compiled_runtime_settings.py [--settings eager,freezing,freezing+max-autotune] [--reps 30]
     python benchmarks/compiled_runtime_settings.py --settings bf16:eager,bf16:freezing+max-autotune --append
     python benchmarks/compiled_runtime_settings.py --settings row-independent,packaged --append
-    python benchmarks/compiled_runtime_settings.py --settings packaged,packaged-1-worker --append
+    python benchmarks/compiled_runtime_settings.py --settings packaged,packaged-1-worker,packaged-2-workers --append
 
 Writes benchmarks/results/compiled_runtime_settings.json and .md.
 """
@@ -39,10 +39,11 @@ SETTINGS = {
     # the defaults: row-independent graphs kept as AOTInductor packages (a warm start loads them), built several at
     # once in worker processes (2 on a 2-core machine at one thread)
     "packaged": {},
-    # the same packages built one by one in the serving process
+    # the same packages built one by one in the serving process, or two at once
     "packaged-1-worker": {},
+    "packaged-2-workers": {},
 }
-ENVIRONMENT = {"packaged-1-worker": {"PPOW_TRL_BUILD_WORKERS": "1"}}
+ENVIRONMENT = {"packaged-1-worker": {"PPOW_TRL_BUILD_WORKERS": "1"}, "packaged-2-workers": {"PPOW_TRL_BUILD_WORKERS": "2"}}
 """Environment variables of a setting's processes (what is not an inductor setting)."""
 # A setting may name a weight dtype: "bf16:eager", "bf16:freezing+max-autotune" (fewer bytes per decoded token).
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -88,7 +89,12 @@ def child(name: str, reps: int) -> dict:
                 if rep >= 2:  # two warm-up repetitions
                     times[rows].append(elapsed)
     medians = {rows: statistics.median(values) for rows, values in times.items()}
-    return {"setting": name, "dtype": dtype, "compile_s": round(compile_s, 1), "t_t_ms": round(medians[1], 2),
+    import resource
+
+    # peak resident memory of this process and of the largest build worker it ran (ru_maxrss is in KiB on Linux)
+    memory = {"peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+              "build_worker_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)}
+    return {"setting": name, "dtype": dtype, "compile_s": round(compile_s, 1), "t_t_ms": round(medians[1], 2), **memory,
             **{f"t_v{rows}/t_t": round(medians[rows] / medians[1], 3) for rows in range(2, MAX_ROWS + 1)}}
 
 

@@ -23,8 +23,8 @@ How:
   later process could load.
 - Cold builds run side by side (``build_packages``): this process exports each row count's step, and worker
   processes compile them, as many at once as ``build_workers`` allows (cores over torch's threads, memory;
-  ``$PPOW_TRL_BUILD_WORKERS`` to choose). Inductor compiles a graph on one core, so on 2 cores at 1 thread two
-  builds take about the time of one.
+  ``$PPOW_TRL_BUILD_WORKERS`` to choose). Inductor compiles a graph on one core: SmolLM2 fp32's 5 packages took
+  278 s with 3 workers on 2 cores at one thread, 430 s one at a time.
 """
 
 from __future__ import annotations
@@ -129,20 +129,24 @@ def compile_exported(exported, path: Path, settings: CompileSettings) -> Path:
 
 
 def build_workers(jobs: int, model_bytes: int) -> int:
-    """How many packages to build at once: ``$PPOW_TRL_BUILD_WORKERS`` if set, else the smallest of ``jobs``, the
-    usable cores over torch's thread count (a build is mostly one core of Python and C++ compiling, and its
-    benchmarks of candidate kernels run on torch's threads), and the available memory over ``4 x model_bytes`` (a
-    worker holds the exported weights and inductor's frozen, packed copy of them)."""
+    """How many packages to build at once: ``$PPOW_TRL_BUILD_WORKERS`` if set, else the smallest of ``jobs``, one more
+    than the cores can run at torch's thread count, and the available memory over ``8 x model_bytes``.
+
+    Why one more than the cores: a build is mostly one core of Python and of one C++ compiler call, this process
+    exports the next step meanwhile, and with as many workers as cores the last round of builds left a core idle
+    (SmolLM2 fp32, 5 row counts, 2 cores at one thread: one at a time 430 s, 2 workers 355 s, 3 workers 278 s;
+    ``benchmarks/compiled_runtime_settings.py``). Why the memory bound: a worker held 3.9 GB at its peak for a
+    0.54 GB model (the exported weights, inductor's frozen and packed copies)."""
     if os.environ.get("PPOW_TRL_BUILD_WORKERS"):
         return max(1, min(jobs, int(os.environ["PPOW_TRL_BUILD_WORKERS"])))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
         import psutil
 
-        memory = int(psutil.virtual_memory().available // max(1, 4 * model_bytes))
+        memory = int(psutil.virtual_memory().available // max(1, 8 * model_bytes))
     except ImportError:
         memory = 1
-    return max(1, min(jobs, cores // max(1, torch.get_num_threads()), memory))
+    return max(1, min(jobs, cores // max(1, torch.get_num_threads()) + 1, memory))
 
 
 def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettings, *, attention=None,
@@ -150,7 +154,7 @@ def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettin
     """Build the package of each row count in ``paths`` (rows -> package path): in this process with ``workers=1``,
     else ``workers`` at a time, each compiled in its own process (``python -c ... _build_in_worker``) from the step
     exported here, while this process exports the next one. Why processes: inductor compiles a graph on one core
-    (Python, then one C++ compiler call), and two builds side by side on 2 cores took about half the time.
+    (Python, then one C++ compiler call), so builds side by side use the other cores (``build_workers``).
     ``on_built(rows)`` after each one. A failed worker raises ``RuntimeError`` with the end of its output."""
     global BUILT
     if workers <= 1:
