@@ -269,6 +269,25 @@ def test_a_second_process_loads_the_packages_from_disk(tmp_path):
     assert warm["seconds"] < cold["seconds"] / 3
 
 
+def test_a_failed_worker_build_is_redone_in_the_serving_process(monkeypatch, tmp_path, caplog):
+    """A worker process that fails (out of memory, another environment) costs a warning, not the packages: the
+    runtime builds the rest one at a time in its own process, leaves no temporary files, and serves packages."""
+    import ppow_trl.serving.packaged as packaged
+
+    monkeypatch.setattr(packaged, "_WORKER", "import sys; sys.exit('worker killed')")
+    monkeypatch.setenv("PPOW_TRL_CACHE", str(tmp_path))
+    monkeypatch.setenv("PPOW_TRL_BUILD_WORKERS", "2")
+    target, _, _ = make_target_and_drafters(seed=5)
+    compiled = CompiledCausalLM(target, max_rows=2, max_cache_len=32)
+    with caplog.at_level("WARNING"):
+        compiled.warm_up(progress=False)
+    assert "Building packages in 2 worker processes failed (RuntimeError: Building the package for" in caplog.text
+    assert "worker killed" in caplog.text and "packaging failed" not in caplog.text
+    assert compiled.packaged and compiled.packages_built == 2 and compiled.build_workers == 1
+    assert len(list(tmp_path.glob("inductor/*/packages/*/rows*-cache32.pt2"))) == 2
+    assert not list(tmp_path.glob("**/*.exported*")) and not list(tmp_path.glob("**/*.partial*"))
+
+
 def test_a_package_is_keyed_by_the_weights_it_embeds():
     """Packages embed the frozen weights: a model with other weights (a trained drafter) must not load them."""
     from ppow_trl.serving.packaged import weights_digest

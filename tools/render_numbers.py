@@ -475,6 +475,7 @@ def main_job_compiled(results: Path):
                  ("trainer's t_d/t_t", num(run.get("trainer_cost_ratio_t_d_over_t_t"), 4)
                   if run.get("trainer_cost_ratio_t_d_over_t_t") is not None else None),
                  ("served rule", run.get("served_rule")), ("hybrid's rule", run.get("hybrid_rule")),
+                 ("prompt lookup's rule", run.get("lookup_rule")), ("reading", run.get("reading")),
                  ("hybrid reload check", run.get("hybrid_reload_check"))]
         lines += [f"- {label}: {value}" for label, value in facts if value] + [""]
         cost = run.get("cost_model")

@@ -51,7 +51,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention import fixed_rows_attention
 from .inductor_settings import CompileSettings, compile_cache_dir, compile_context, use_compile_cache
-from .packaged import build_packages, build_workers, cache_state, load_package, package_path, weights_digest
+from .packaged import (build_packages, build_workers, cache_state, load_package, package_path,
+                       remove_stale_build_files, weights_digest)
 
 __all__ = ["CompileSettings", "CompiledCausalLM", "compile_cache_dir", "compile_context", "use_compile_cache"]
 
@@ -247,6 +248,7 @@ class CompiledCausalLM(torch.nn.Module):
         missing = {q: self._package_path(q) for q in rows if not self._package_path(q).exists()}
         if not missing:
             return
+        remove_stale_build_files(next(iter(missing.values())).parent)
         model_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(),
                                                                                self.model.buffers()))
         workers = self.build_workers = build_workers(len(missing), model_bytes)
@@ -256,8 +258,18 @@ class CompiledCausalLM(torch.nn.Module):
                 self.packages_built += 1
                 bar.update()
 
-            build_packages(self.model, cache, missing, self.settings, attention=self._attention, workers=workers,
-                           on_built=built)
+            try:
+                build_packages(self.model, cache, missing, self.settings, attention=self._attention,
+                               workers=workers, on_built=built)
+            except Exception as error:  # noqa: BLE001 - a worker's failure (memory, environment): once more here
+                if workers == 1:
+                    raise
+                logger.warning("Building packages in %d worker processes failed (%s: %s); building the rest one at a "
+                               "time in this process.", workers, type(error).__name__,
+                               str(error).splitlines()[0][:200] if str(error) else "")
+                self.build_workers = 1
+                build_packages(self.model, cache, {q: path for q, path in missing.items() if not path.exists()},
+                               self.settings, attention=self._attention, workers=1, on_built=built)
 
     def _load_or_build(self, rows: int, cache):
         """The package of this row count, loaded once per process and model; built first when the disk has none."""

@@ -24,7 +24,7 @@ How:
 - Cold builds run side by side (``build_packages``): this process exports each row count's step, and worker
   processes compile them, as many at once as ``build_workers`` allows (cores over torch's threads, memory;
   ``$PPOW_TRL_BUILD_WORKERS`` to choose). Inductor compiles a graph on one core: SmolLM2 fp32's 5 packages took
-  278 s with 3 workers on 2 cores at one thread, 430 s one at a time.
+  283 s with 3 workers on 2 cores at one thread, 430 s one at a time.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ import contextlib
 import hashlib
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -134,19 +136,38 @@ def build_workers(jobs: int, model_bytes: int) -> int:
 
     Why one more than the cores: a build is mostly one core of Python and of one C++ compiler call, this process
     exports the next step meanwhile, and with as many workers as cores the last round of builds left a core idle
-    (SmolLM2 fp32, 5 row counts, 2 cores at one thread: one at a time 430 s, 2 workers 355 s, 3 workers 278 s;
+    (SmolLM2 fp32, 5 row counts, 2 cores at one thread: one at a time 430 s, 2 workers 355 s, 3 workers 283 s;
     ``benchmarks/compiled_runtime_settings.py``). Why the memory bound: a worker held 3.9 GB at its peak for a
     0.54 GB model (the exported weights, inductor's frozen and packed copies)."""
-    if os.environ.get("PPOW_TRL_BUILD_WORKERS"):
-        return max(1, min(jobs, int(os.environ["PPOW_TRL_BUILD_WORKERS"])))
+    chosen = os.environ.get("PPOW_TRL_BUILD_WORKERS", "").strip()
+    if chosen:
+        if not chosen.isdigit() or int(chosen) < 1:
+            raise ValueError(f"PPOW_TRL_BUILD_WORKERS must be a whole number of at least 1, got {chosen!r}.")
+        return min(jobs, int(chosen))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_value("cpu.max")  # a container's CPU quota: "<quota> <period>"
+    if quota and quota[0] != "max":
+        cores = min(cores, max(1, math.ceil(int(quota[0]) / int(quota[1]))))
     try:
         import psutil
 
-        memory = int(psutil.virtual_memory().available // max(1, 8 * model_bytes))
+        available = psutil.virtual_memory().available
     except ImportError:
-        memory = 1
+        available = 0
+    limit = _cgroup_value("memory.max")  # a container's memory limit, which psutil does not see
+    if limit and limit[0] != "max":
+        used = _cgroup_value("memory.current")
+        available = min(available, int(limit[0]) - (int(used[0]) if used else 0))
+    memory = int(available // max(1, 8 * model_bytes))
     return max(1, min(jobs, cores // max(1, torch.get_num_threads()) + 1, memory))
+
+
+def _cgroup_value(name: str) -> list[str] | None:
+    """The fields of ``/sys/fs/cgroup/<name>`` (cgroup v2), or ``None`` where there is no such file."""
+    try:
+        return Path("/sys/fs/cgroup", name).read_text().split() or None
+    except (OSError, ValueError):
+        return None
 
 
 def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettings, *, attention=None,
@@ -165,21 +186,28 @@ def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettin
                 on_built(rows)
         return
     settings_json = json.dumps(asdict(settings))  # TypeError for options a worker could not be given
-    # the workers import this ppow_trl (a source checkout need not be installed): the folder above the package
+    # The workers import this ppow_trl (a source checkout need not be installed), and check that they did.
     package_parent = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
+    on_path = {str(Path(entry or ".").resolve()) for entry in sys.path}
+    env = dict(os.environ)
+    if package_parent not in on_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
     threads = str(torch.get_num_threads())
+    processes: set[subprocess.Popen] = set()
 
     def compile_in_worker(rows: int, exported_file: Path) -> int:
         try:
-            done = subprocess.run([sys.executable, "-c", _WORKER, str(exported_file), str(paths[rows]), settings_json,
-                                   threads], env=env, capture_output=True, text=True)
+            process = subprocess.Popen([sys.executable, "-c", _WORKER, str(exported_file), str(paths[rows]),
+                                        settings_json, threads, str(Path(__file__).resolve())], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            processes.add(process)
+            stdout, stderr = process.communicate()
         finally:
             exported_file.unlink(missing_ok=True)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+        if process.returncode != 0:
+            tail = (stderr or stdout).strip().splitlines()[-1:] or [""]
             raise RuntimeError(f"Building the package for {rows} rows failed in a worker process (exit "
-                               f"{done.returncode}): {tail[0][:300]}")
+                               f"{process.returncode}): {tail[0][:300]}")
         return rows
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
@@ -194,27 +222,46 @@ def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettin
                 if on_built:
                     on_built(rows)
 
-        for rows, path in paths.items():
-            if len(running) >= workers:  # export the next step only when a worker is free for it
-                finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-                finish(finished)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            exported_file = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.exported.pt2")
-            try:
-                torch.export.save(export_step(model, cache, rows, attention), str(exported_file))
-            except BaseException:
-                exported_file.unlink(missing_ok=True)
-                raise
-            running.add(pool.submit(compile_in_worker, rows, exported_file))
-        finish(concurrent.futures.wait(running).done)
+        try:
+            for rows, path in paths.items():
+                if len(running) >= workers:  # export the next step only when a worker is free for it
+                    finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                    finish(finished)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                exported_file = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.exported.pt2")
+                try:
+                    torch.export.save(export_step(model, cache, rows, attention), str(exported_file))
+                except BaseException:
+                    exported_file.unlink(missing_ok=True)
+                    raise
+                running.add(pool.submit(compile_in_worker, rows, exported_file))
+            finish(concurrent.futures.wait(running).done)
+        except BaseException:
+            for process in processes:  # a failure (or Ctrl-C) stops the other builds instead of waiting minutes
+                process.kill()
+            raise
+
+
+def remove_stale_build_files(folder: Path, older_than_s: float = 24 * 3600) -> None:
+    """Delete the temporary files of builds that were killed (``*.exported.pt2``, ``*.partial.pt2``) in ``folder``,
+    once they are older than any build takes (another process may be building into the same folder now)."""
+    now = time.time()
+    for stale in itertools.chain(folder.glob("*.exported.pt2"), folder.glob("*.partial.pt2")):
+        with contextlib.suppress(OSError):
+            if now - stale.stat().st_mtime > older_than_s:
+                stale.unlink()
 
 
 _WORKER = "from ppow_trl.serving.packaged import _build_in_worker; _build_in_worker()"
 
 
 def _build_in_worker() -> None:
-    """A worker process of ``build_packages``: ``argv = [exported step, package path, settings JSON, threads]``."""
-    exported_file, path, settings_json, threads = sys.argv[1:5]
+    """A worker process of ``build_packages``: ``argv = [exported step, package path, settings JSON, threads, the
+    serving process's packaged.py]``."""
+    exported_file, path, settings_json, threads, expected = sys.argv[1:6]
+    if str(Path(__file__).resolve()) != expected:
+        sys.exit(f"This worker imported {Path(__file__).resolve()}, the serving process {expected}: another ppow_trl "
+                 "is first on the import path here.")
     torch.set_num_threads(int(threads))  # inductor writes the thread count into the C++ GEMM kernels
     compile_exported(torch.export.load(exported_file), Path(path), CompileSettings(**json.loads(settings_json)))
 
