@@ -155,10 +155,13 @@ def child(args) -> dict:
 
     llama_cpp = {"skipped": "--skip-llama-cpp"}
     if not args.skip_llama_cpp:
+        import atexit
+        import shutil
         import tempfile
 
-        llama_arms, llama_cpp = llama_cpp_arms(target, drafters["ppow"], stop_ids, threads,
-                                               Path(tempfile.mkdtemp(prefix="ppow_llama_cpp_")))
+        work = Path(tempfile.mkdtemp(prefix="ppow_llama_cpp_"))  # GGUF files (0.7 GB): removed when this run ends
+        atexit.register(shutil.rmtree, work, True)
+        llama_arms, llama_cpp = llama_cpp_arms(target, drafters["ppow"], stop_ids, threads, work)
         arms += llama_arms
 
     hf_compile_s = None

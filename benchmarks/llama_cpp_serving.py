@@ -229,7 +229,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     set_cpu_threads(args.threads)
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="ppow_llama_cpp_"))
+    work = args.work_dir
+    if work is None:  # GGUF files (0.7 GB): a temporary folder, removed when this run ends
+        import atexit
+        import shutil
+
+        work = Path(tempfile.mkdtemp(prefix="ppow_llama_cpp_"))
+        atexit.register(shutil.rmtree, work, True)
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

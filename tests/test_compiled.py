@@ -263,6 +263,8 @@ def test_a_second_process_loads_the_packages_from_disk(tmp_path):
     one_by_one = run(tmp_path / "b", workers=1)
     assert len(list((tmp_path / "a" / "inductor").glob("*/packages/*/rows*.pt2"))) == 2
     assert not list(tmp_path.glob("**/*.partial*")) and not list(tmp_path.glob("**/*.exported*"))
+    # AOTInductor's builds (the wrapper library with the weights, as large as the package) are not kept beside them
+    assert list(tmp_path.glob("a/inductor/*/packages/*/rows*.pt2")) and not list(tmp_path.glob("**/*.wrapper.so"))
     assert (cold["built"], cold["workers"]) == (2, 2) and warm["built"] == 0
     assert (one_by_one["built"], one_by_one["workers"]) == (2, 1)
     assert warm["logits"] == cold["logits"] == one_by_one["logits"]

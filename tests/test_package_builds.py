@@ -1,6 +1,6 @@
-"""How the compiled runtime builds its packages (ppow_trl.serving.packaged, ppow_trl.serving.inductor_settings):
-how many at once, and the template memo that compiling runs under. Nothing here compiles; the builds themselves are
-checked in test_compiled.py."""
+"""How the compiled runtime builds its packages (ppow_trl.serving.packaged, ppow_trl.serving.inductor_settings) and
+keeps them on disk (ppow_trl.serving.package_store): how many at once, the template memo that compiling runs under,
+and the disk the store may take. Nothing here compiles; the builds themselves are checked in test_compiled.py."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+import ppow_trl.serving.package_store as store
 import ppow_trl.serving.packaged as packaged
 from ppow_trl.serving.inductor_settings import CompileSettings, compile_context
 
@@ -88,5 +89,107 @@ def test_stale_build_files_are_removed_only_when_old(tmp_path):
         path.write_bytes(b"x")
     os.utime(old, (time.time() - 2 * 24 * 3600,) * 2)
     os.utime(package, (time.time() - 2 * 24 * 3600,) * 2)
-    packaged.remove_stale_build_files(tmp_path)
+    store.remove_stale_build_files(tmp_path)
     assert not old.exists() and fresh.exists() and package.exists()
+
+
+def _package_set(root, name: str, size: int, age_s: float):
+    folder = root / "inductor" / "key" / "packages" / name
+    folder.mkdir(parents=True)
+    (folder / "rows1-of2-cache32.pt2").write_bytes(b"x" * size)
+    import os
+    import time
+
+    os.utime(folder, (time.time() - age_s,) * 2)
+    return folder
+
+
+@pytest.fixture
+def disk(monkeypatch, tmp_path):
+    """An empty package store under ``tmp_path`` on a disk with ``free`` bytes free."""
+    import shutil
+
+    monkeypatch.setenv("PPOW_TRL_CACHE", str(tmp_path))
+
+    def set_free(free: int):
+        monkeypatch.setattr(store.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * free, 9 * free,
+                                                                                               free))
+    return set_free
+
+
+def test_make_room_removes_least_recently_used_sets_over_the_budget(monkeypatch, tmp_path, disk):
+    disk(free=100 * GB)
+    hour = 3600
+    oldest, old, recent, in_use = (_package_set(tmp_path, name, 400, age) for name, age in
+                                   (("oldest", 30 * hour), ("old", 20 * hour), ("recent", 10 * hour), ("in-use", 60)))
+    building = tmp_path / "inductor" / "key" / "packages" / "building"
+    monkeypatch.setenv(store.STORE_ENV, str(1100 / 1e9))  # 1100 bytes
+    # 4 sets of 400 bytes stored, 300 to build: the two least recently used go (1900 -> 1500 -> 1100 <= 1100)
+    assert store.make_room(building, 300) == [oldest, old]
+    assert recent.exists() and in_use.exists() and building.exists()
+    # a budget below what is in use now: everything unused goes, the set stamped a minute ago stays
+    monkeypatch.setenv(store.STORE_ENV, "0")
+    assert store.make_room(building, 300) == [recent]
+    assert in_use.exists()
+    store.mark_used(in_use)
+    assert store.package_sets(building) == sorted([building, in_use])
+
+
+def test_make_room_frees_the_disk_or_says_what_to_do_before_building(monkeypatch, tmp_path, disk):
+    hour = 3600
+    unused = _package_set(tmp_path, "unused", 10, 5 * hour)
+    building = tmp_path / "inductor" / "key" / "packages" / "building"
+    disk(free=3 * GB)
+    assert store.make_room(building, GB) == []  # room enough: nothing removed
+    assert unused.exists()
+    disk(free=GB)
+    with pytest.raises(store.NotEnoughDisk, match="free disk space, set PPOW_TRL_CACHE to a larger disk, or serve "
+                                                  "with runtime: eager"):
+        store.make_room(building, GB)
+    assert not unused.exists()  # removed first (a low disk removes unused sets whatever the budget), then the error
+
+
+def test_store_budget_from_the_environment(monkeypatch):
+    monkeypatch.delenv(store.STORE_ENV, raising=False)
+    assert store.store_budget_bytes() == int(store.DEFAULT_STORE_GB * 1e9)
+    monkeypatch.setenv(store.STORE_ENV, "2.5")
+    assert store.store_budget_bytes() == int(2.5e9)
+    for bad in ("-1", "lots", "nan"):
+        monkeypatch.setenv(store.STORE_ENV, bad)
+        with pytest.raises(ValueError, match="PPOW_TRL_PACKAGE_STORE_GB"):
+            store.store_budget_bytes()
+
+
+def test_build_bytes_counts_packages_and_the_builds_in_progress():
+    # SmolLM2 fp32's 5 packages, 3 at once: 5 x 1.08 GB written + 3 builds of 1.6 GB in progress
+    assert store.build_bytes(540, packages=5, workers=3) == 540 * (2 * 5 + 3 * 3)
+    assert store.build_bytes(540, packages=1, workers=3) == 540 * (2 + 3)
+
+
+def test_aotinductors_build_of_a_package_is_removed_and_nothing_else(tmp_path):
+    import zipfile
+
+    package = tmp_path / "rows1-of2-cache32.pt2"
+    with zipfile.ZipFile(package, "w") as archive:
+        archive.writestr("rows1.partial/data/aotinductor/model/cabc.wrapper.so", b"so")
+        archive.writestr("rows1.partial/data/aotinductor/model/cdef.kernel.cpp", b"cpp")
+    cache = tmp_path / "inductor-cache"
+    for folder, name in (("build", "cabc.wrapper.so"), ("other", "cxyz.wrapper.so"), ("kernels", "cdef.kernel.cpp")):
+        (cache / folder).mkdir(parents=True)
+        (cache / folder / name).write_bytes(b"x")
+    store.remove_build_outputs(package, cache)
+    assert sorted(p.name for p in cache.iterdir()) == ["kernels", "other"]
+
+
+def test_a_disk_that_cannot_hold_the_packages_serves_eagerly_before_compiling(monkeypatch, tmp_path, disk, caplog):
+    from conftest import make_tiny_llama
+
+    from ppow_trl.serving.runtime import serving_runtime
+
+    disk(free=GB // 2)
+    compiled = []
+    monkeypatch.setattr(packaged, "export_step", lambda *a, **k: compiled.append(a))
+    with caplog.at_level("WARNING"):
+        served = serving_runtime(make_tiny_llama(), None, max_window=2, max_cache_len=32, progress=False)
+    assert served.name == "eager" and "NotEnoughDisk" in served.fallback and "runtime: eager" in served.fallback
+    assert not compiled and "Compiled runtime unavailable (NotEnoughDisk" in caplog.text

@@ -21,6 +21,9 @@ How:
 - The on-disk caches (packages, inductor's kernels and autotuning) live under ``cache_root() / "inductor" / <key>``,
   the key naming torch's version, the CPU's instruction sets, the thread count and the settings (inductor's own key
   does not name the CPU).
+- The packages take disk (about twice the weights' bytes each, a set per weight set): the store keeps the least
+  recently used sets under ``$PPOW_TRL_PACKAGE_STORE_GB`` and a build that the disk cannot hold stops before compiling
+  with ``NotEnoughDisk`` (``ppow_trl.serving.package_store``), which ``serving_runtime`` serves eagerly after.
 - A row's logits must not depend on how many rows one call scores, or speculation could pick another token than
   plain decoding at a near tie. Left to itself, inductor lowers attention for one query row into a product and a sum
   but for several rows into a GEMM (two summation orders), and at low precision it rounds an intermediate only where
@@ -51,8 +54,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention import fixed_rows_attention
 from .inductor_settings import CompileSettings, compile_cache_dir, compile_context, use_compile_cache
-from .packaged import (build_packages, build_workers, cache_state, load_package, package_path,
-                       remove_stale_build_files, weights_digest)
+from .package_store import NotEnoughDisk, build_bytes, make_room, mark_used, package_path, remove_stale_build_files
+from .packaged import build_packages, build_workers, cache_state, load_package, weights_digest
 
 __all__ = ["CompileSettings", "CompiledCausalLM", "compile_cache_dir", "compile_context", "use_compile_cache"]
 
@@ -245,13 +248,17 @@ class CompiledCausalLM(torch.nn.Module):
         (``ppow_trl.serving.packaged.build_workers``), with a progress bar."""
         from tqdm.auto import tqdm
 
-        missing = {q: self._package_path(q) for q in rows if not self._package_path(q).exists()}
+        paths = {q: self._package_path(q) for q in rows}
+        missing = {q: path for q, path in paths.items() if not path.exists()}
         if not missing:
             return
-        remove_stale_build_files(next(iter(missing.values())).parent)
+        package_set = next(iter(missing.values())).parent
+        remove_stale_build_files(package_set)
         model_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(),
                                                                                self.model.buffers()))
         workers = self.build_workers = build_workers(len(missing), model_bytes)
+        # before any compiling: room on the disk, made by removing unused package sets, or a clear error
+        make_room(package_set, build_bytes(model_bytes, len(missing), workers))
         with tqdm(total=len(missing), unit="package", disable=not progress,
                   desc=f"Building {type(self.model).__name__} packages ({self.label()}, {workers} at once)") as bar:
             def built(_rows):
@@ -278,6 +285,7 @@ class CompiledCausalLM(torch.nn.Module):
         if path not in loaded:
             self._build_packages([rows], cache)
             loaded[path] = load_package(path)
+            mark_used(path.parent)  # the package store removes the least recently used sets first
         return loaded[path]
 
     @torch.no_grad()
@@ -288,7 +296,7 @@ class CompiledCausalLM(torch.nn.Module):
         try:
             self._warm_every_row_count(progress)
         except Exception as error:  # noqa: BLE001 - any failure to package: torch.compile instead, said once
-            if not self.packaged:
+            if not self.packaged or isinstance(error, NotEnoughDisk):  # torch.compile would fill the same disk
                 raise
             logger.warning("AOTInductor packaging failed (%s: %s); compiling with torch.compile instead (every process "
                            "then compiles again).", type(error).__name__,

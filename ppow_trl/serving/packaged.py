@@ -38,7 +38,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 
 from .inductor_settings import CompileSettings, compile_context
+from .package_store import remove_build_outputs
 
 BUILT = 0
 """Packages built (compiled, not loaded) in this process: a served loop must not add to it."""
@@ -96,11 +96,6 @@ def weights_digest(model) -> str:
     return digest.hexdigest()
 
 
-def package_path(folder: Path, digest: str, rows: int, max_rows: int, max_cache_len: int) -> Path:
-    """``folder/packages/<weights digest>/rows<q>-of<K+1>-cache<len>.pt2``: one graph of one model."""
-    return Path(folder) / "packages" / digest / f"rows{rows}-of{max_rows}-cache{max_cache_len}.pt2"
-
-
 def export_step(model, cache, rows: int, attention=None):
     """``CacheStep(model, cache)`` exported for ``rows`` rows (``attention()``: a context manager, the attention the
     graph is traced with).
@@ -118,13 +113,17 @@ def export_step(model, cache, rows: int, attention=None):
 
 def compile_exported(exported, path: Path, settings: CompileSettings) -> Path:
     """Compile an exported step into an AOTInductor package at ``path`` under ``settings``, written under a unique
-    temporary name and renamed when complete."""
+    temporary name and renamed when complete; AOTInductor's build of it is then removed from inductor's cache
+    (``remove_build_outputs``: as many bytes as the package)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.pt2")  # unique across processes and hosts
     try:
         with compile_context(settings):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
         os.replace(partial, path)
+        remove_build_outputs(path, Path(cache_dir()))
     finally:
         partial.unlink(missing_ok=True)
     return path
@@ -240,16 +239,6 @@ def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettin
             for process in processes:  # a failure (or Ctrl-C) stops the other builds instead of waiting minutes
                 process.kill()
             raise
-
-
-def remove_stale_build_files(folder: Path, older_than_s: float = 24 * 3600) -> None:
-    """Delete the temporary files of builds that were killed (``*.exported.pt2``, ``*.partial.pt2``) in ``folder``,
-    once they are older than any build takes (another process may be building into the same folder now)."""
-    now = time.time()
-    for stale in itertools.chain(folder.glob("*.exported.pt2"), folder.glob("*.partial.pt2")):
-        with contextlib.suppress(OSError):
-            if now - stale.stat().st_mtime > older_than_s:
-                stale.unlink()
 
 
 _WORKER = "from ppow_trl.serving.packaged import _build_in_worker; _build_in_worker()"
