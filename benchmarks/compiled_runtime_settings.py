@@ -17,6 +17,7 @@ Writes benchmarks/results/compiled_runtime_settings.json and .md.
 
 from __future__ import annotations
 
+import contextlib
 import argparse
 import json
 import os
@@ -94,6 +95,12 @@ def child(name: str, reps: int) -> dict:
     # peak resident memory of this process and of the largest build worker it ran (ru_maxrss is in KiB on Linux)
     memory = {"peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
               "build_worker_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)}
+    # resident memory now, serving: anonymous (this process's own copies) and file-backed (mapped files, which the
+    # kernel can drop and read again); Linux only
+    with contextlib.suppress(OSError):
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        memory.update({f"{key.lower().replace('rss', 'rss_')}_gb": round(int(status[key].split()[0]) / 1e6, 2)
+                       for key in ("RssAnon", "RssFile") if key in status})
     return {"setting": name, "dtype": dtype, "compile_s": round(compile_s, 1), "t_t_ms": round(medians[1], 2), **memory,
             **{f"t_v{rows}/t_t": round(medians[rows] / medians[1], 3) for rows in range(2, MAX_ROWS + 1)}}
 
@@ -134,9 +141,13 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="inductor-") as cache_dir:
             cold = run_child(name, args.reps, cache_dir)
             warm = run_child(name, args.reps, cache_dir) if SETTINGS[_split(name)[1]] is not None else None
-        row = {**cold, "cold_compile_s": cold["compile_s"], "warm_start_s": warm["compile_s"] if warm else 0.0}
-        if warm:  # the second process's timings: the same kernels, a second sample of the machine
+            # what the compiled runtime keeps on disk: packages and their weights, inductor's kernels and autotuning
+            disk = sum(path.stat().st_size for path in Path(cache_dir).rglob("*") if path.is_file())
+        row = {**cold, "cold_compile_s": cold["compile_s"], "warm_start_s": warm["compile_s"] if warm else 0.0,
+               "cache_disk_gb": round(disk / 1e9, 2)}
+        if warm:  # the second process's timings (the same kernels, a second sample of the machine) and memory
             row["warm_t_t_ms"] = warm["t_t_ms"]
+            row.update({f"warm_{key}": warm[key] for key in ("peak_rss_gb", "rss_anon_gb", "rss_file_gb") if key in warm})
         row.pop("compile_s")
         rows.append(row)
         print(json.dumps(row), flush=True)

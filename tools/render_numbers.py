@@ -279,10 +279,13 @@ def compiled_runtime_settings(results: Path):
         machine_text(cpu=data.get("cpu"), torch=data.get("torch")), "",
         *recorded("Setup", data.get("setup")),
         *table(["setting", "dtype", "t_t ms"] + [k.replace("/t_t", "/t_t") for k in verify]
-               + ["cold compile s", "warm start s", "t_t ms after a warm start", "process s"],
+               + ["cold compile s", "warm start s", "t_t ms after a warm start", "process s",
+                  "warm memory GB (own / mapped files)", "cache on disk GB"],
                [[r["setting"], r.get("dtype", "-"), num(r.get("t_t_ms"), 2)] + [num(r.get(k), 3) for k in verify]
                 + [num(r.get("cold_compile_s"), 1), num(r.get("warm_start_s"), 1), num(r.get("warm_t_t_ms"), 2),
-                   num(r.get("process_s"), 1)] for r in rows]),
+                   num(r.get("process_s"), 1),
+                   f"{num(r.get('warm_rss_anon_gb'), 2)} / {num(r.get('warm_rss_file_gb'), 2)}"
+                   if r.get("warm_rss_anon_gb") is not None else "-", num(r.get("cache_disk_gb"), 2)] for r in rows]),
         "Rows without a dtype ran the fp32 weights (the script's convention). Settings: `freezing+max-autotune` is "
         "torch.compile over PyTorch's attention with the C++ and ATen GEMMs (the defaults before row independence); "
         "`row-independent` pads attention to K_max + 1 rows and uses only the C++ GEMM template, compiled by "
@@ -292,7 +295,10 @@ def compiled_runtime_settings(results: Path):
         "costs against eager, at a one-off cold compile per machine; a torch.compile process still traces and freezes "
         "the model again from a filled cache (the warm-start column), a packaged one loads the finished graphs, and "
         "its C++ wrapper calls the kernels without Python in between (a shorter step). Building the packages side "
-        "by side cut the cold compile from 430 s (one at a time) to 283 s. Rows ran in separate "
+        "by side cut the cold compile from 430 s (one at a time) to 273-283 s. The memory column is the warm process's "
+        "resident memory after loading (its own, and mapped files, from /proc/self/status): every row count's package "
+        "holds its own copy of the packed weights, about 1.1 GB each for SmolLM2 fp32; the disk column is the whole "
+        "inductor cache after the run (the 5 packages; AOTInductor's build folders are removed). Rows ran in separate "
         "processes at different times, and the timing columns of the three packaged rows (the same graphs) differ "
         "by up to 1.25x: compare timings across rows with that noise in mind. The runtime's design and its cache: the "
         "compiled runtime page.", "",
