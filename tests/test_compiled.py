@@ -217,7 +217,7 @@ def test_compile_cache_is_keyed_by_settings_and_machine(tmp_path):
 
 SECOND_PROCESS = """
 import json, sys, time, torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {repo!r}]  # this checkout's ppow_trl, whatever the working folder holds
 from conftest import make_target_and_drafters
 from ppow_trl.serving.compiled import CompiledCausalLM
 from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -240,26 +240,31 @@ def test_a_second_process_loads_the_packages_from_disk(tmp_path):
     """The first process builds one AOTInductor package per row count under the cache root (not inductor's /tmp
     default, which inductor writes into the environment), two at once in worker processes; a second process builds
     nothing, loads them and computes the same logits bitwise, and so does a process that built them one by one in
-    itself (the workers compile with the same settings and thread count)."""
+    itself (the workers compile with the same settings and thread count). The first one runs in a folder holding
+    another ``ppow_trl``, which its workers must not import (``python -c`` puts the working folder first)."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    script = SECOND_PROCESS.format(tests=str(Path(__file__).parent))
+    script = SECOND_PROCESS.format(tests=str(Path(__file__).parent), repo=str(Path(__file__).parents[1]))
+    decoy = tmp_path / "checkout" / "ppow_trl"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('another ppow_trl, imported from the working folder')\n")
 
-    def run(cache: Path, workers: int) -> dict:
+    def run(cache: Path, workers: int, cwd: Path | None = None) -> dict:
         env = {**os.environ, "PPOW_TRL_CACHE": str(cache), "OMP_NUM_THREADS": "1",
                "PPOW_TRL_BUILD_WORKERS": str(workers)}
         env.pop("TORCHINDUCTOR_CACHE_DIR", None)
         env.pop("PPOW_TRL_INDUCTOR_CACHE_SET", None)
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                              cwd=cwd)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "packaging failed" not in done.stderr, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    cold, warm = run(tmp_path / "a", workers=2), run(tmp_path / "a", workers=2)
+    cold, warm = run(tmp_path / "a", workers=2, cwd=decoy.parent), run(tmp_path / "a", workers=2)
     one_by_one = run(tmp_path / "b", workers=1)
     assert len(list((tmp_path / "a" / "inductor").glob("*/packages/*/rows*.pt2"))) == 2
     assert not list(tmp_path.glob("**/*.partial*")) and not list(tmp_path.glob("**/*.exported*"))

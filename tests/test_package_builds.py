@@ -94,59 +94,75 @@ def test_stale_build_files_are_removed_only_when_old(tmp_path):
 
 
 def _package_set(root, name: str, size: int, age_s: float):
-    folder = root / "inductor" / "key" / "packages" / name
-    folder.mkdir(parents=True)
-    (folder / "rows1-of2-cache32.pt2").write_bytes(b"x" * size)
     import os
     import time
 
+    folder = root / "inductor" / "key" / "packages" / name
+    folder.mkdir(parents=True)
+    (folder / "rows1-of2-cache32.pt2").write_bytes(b"x" * size)
     os.utime(folder, (time.time() - age_s,) * 2)
     return folder
 
 
 @pytest.fixture
 def disk(monkeypatch, tmp_path):
-    """An empty package store under ``tmp_path`` on a disk with ``free`` bytes free."""
+    """A package store under ``tmp_path`` on a disk of ``capacity`` bytes: what the store holds is what is used, so
+    removing a set frees its bytes."""
     import shutil
 
     monkeypatch.setenv("PPOW_TRL_CACHE", str(tmp_path))
 
-    def set_free(free: int):
-        monkeypatch.setattr(store.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * free, 9 * free,
-                                                                                               free))
-    return set_free
+    def set_capacity(capacity: int):
+        def usage(path):
+            used = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+            return shutil._ntuple_diskusage(capacity, used, capacity - used)
+
+        monkeypatch.setattr(store.shutil, "disk_usage", usage)
+    return set_capacity
 
 
 def test_make_room_removes_least_recently_used_sets_over_the_budget(monkeypatch, tmp_path, disk):
-    disk(free=100 * GB)
+    disk(capacity=100 * GB)
     hour = 3600
     oldest, old, recent, in_use = (_package_set(tmp_path, name, 400, age) for name, age in
                                    (("oldest", 30 * hour), ("old", 20 * hour), ("recent", 10 * hour), ("in-use", 60)))
     building = tmp_path / "inductor" / "key" / "packages" / "building"
     monkeypatch.setenv(store.STORE_ENV, str(1100 / 1e9))  # 1100 bytes
-    # 4 sets of 400 bytes stored, 300 to build: the two least recently used go (1900 -> 1500 -> 1100 <= 1100)
-    assert store.make_room(building, 300) == [oldest, old]
+    # 4 sets of 400 bytes, 300 to keep: the two least recently used go (1900 -> 1500 -> 1100 <= 1100); the bytes a
+    # build needs only while it runs (peak) count against the disk, not the budget
+    assert store.make_room(building, keep=300, peak=10**6) == [oldest, old]
     assert recent.exists() and in_use.exists() and building.exists()
-    # a budget below what is in use now: everything unused goes, the set stamped a minute ago stays
+    # a budget below what is in use now: everything unused goes; the set stamped a minute ago stays, and so does a
+    # set that an old stamp but a build's temporary file show in use
+    import os
+    import time
+
+    (recent / "rows2-of2-cache32.0a1b.exported.pt2").write_bytes(b"x")
+    os.utime(recent, (time.time() - 10 * hour,) * 2)  # an old stamp: only the file says a build runs
     monkeypatch.setenv(store.STORE_ENV, "0")
-    assert store.make_room(building, 300) == [recent]
-    assert in_use.exists()
+    assert store.make_room(building, keep=300, peak=300) == []
+    assert in_use.exists() and recent.exists()
+    (recent / "rows2-of2-cache32.0a1b.exported.pt2").unlink()
+    os.utime(recent, (time.time() - 10 * hour,) * 2)
+    assert store.make_room(building, keep=300, peak=300) == [recent]
+    before = in_use.stat().st_mtime
     store.mark_used(in_use)
+    assert in_use.stat().st_mtime > before
     assert store.package_sets(building) == sorted([building, in_use])
 
 
-def test_make_room_frees_the_disk_or_says_what_to_do_before_building(monkeypatch, tmp_path, disk):
+def test_make_room_frees_the_disk_or_says_what_to_do_before_removing_anything(tmp_path, disk):
     hour = 3600
-    unused = _package_set(tmp_path, "unused", 10, 5 * hour)
+    unused = _package_set(tmp_path, "unused", 3 * 10**6, 5 * hour)
     building = tmp_path / "inductor" / "key" / "packages" / "building"
-    disk(free=3 * GB)
-    assert store.make_room(building, GB) == []  # room enough: nothing removed
-    assert unused.exists()
-    disk(free=GB)
+    margin = store.DISK_MARGIN_BYTES
+    disk(capacity=margin + 5 * 10**6)  # 2 MB free beyond the margin, 3 MB more in the unused set
+    assert store.make_room(building, keep=10**6, peak=2 * 10**6) == []  # room enough: nothing removed
     with pytest.raises(store.NotEnoughDisk, match="free disk space, set PPOW_TRL_CACHE to a larger disk, or serve "
                                                   "with runtime: eager"):
-        store.make_room(building, GB)
-    assert not unused.exists()  # removed first (a low disk removes unused sets whatever the budget), then the error
+        store.make_room(building, keep=10**6, peak=6 * 10**6)  # 5 MB at most: nothing is removed for nothing
+    assert unused.exists()
+    assert store.make_room(building, keep=10**6, peak=4 * 10**6) == [unused]  # removing it makes room
 
 
 def test_store_budget_from_the_environment(monkeypatch):
@@ -158,15 +174,36 @@ def test_store_budget_from_the_environment(monkeypatch):
         monkeypatch.setenv(store.STORE_ENV, bad)
         with pytest.raises(ValueError, match="PPOW_TRL_PACKAGE_STORE_GB"):
             store.store_budget_bytes()
+    from conftest import make_tiny_llama
+
+    from ppow_trl.serving.compiled import CompiledCausalLM
+
+    with pytest.raises(ValueError, match="PPOW_TRL_PACKAGE_STORE_GB"):  # before any compiling, not a fallback
+        CompiledCausalLM(make_tiny_llama(), max_rows=2, max_cache_len=32)
 
 
 def test_build_bytes_counts_packages_and_the_builds_in_progress():
-    # SmolLM2 fp32's 5 packages, 3 at once: 5 x 1.08 GB written + 3 builds of 1.6 GB in progress
+    # SmolLM2 fp32's 5 packages, 3 at once: 5 x 1.08 GB kept + 3 builds of 1.6 GB in progress
+    assert store.package_bytes(540, packages=5) == 540 * 2 * 5
     assert store.build_bytes(540, packages=5, workers=3) == 540 * (2 * 5 + 3 * 3)
     assert store.build_bytes(540, packages=1, workers=3) == 540 * (2 + 3)
 
 
-def test_aotinductors_build_of_a_package_is_removed_and_nothing_else(tmp_path):
+def test_a_full_disk_is_recognised_through_the_errors_it_caused():
+    import errno
+
+    assert store.disk_full(store.NotEnoughDisk("x"))
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as error:
+            raise RuntimeError("the C++ compiler failed") from error
+    except RuntimeError as error:
+        assert store.disk_full(error)
+    assert not store.disk_full(RuntimeError("export failed")) and not store.disk_full(OSError(errno.EACCES, "x"))
+
+
+def test_aotinductors_build_folders_are_removed_only_when_no_build_runs(tmp_path):
     import zipfile
 
     package = tmp_path / "rows1-of2-cache32.pt2"
@@ -177,8 +214,12 @@ def test_aotinductors_build_of_a_package_is_removed_and_nothing_else(tmp_path):
     for folder, name in (("build", "cabc.wrapper.so"), ("other", "cxyz.wrapper.so"), ("kernels", "cdef.kernel.cpp")):
         (cache / folder).mkdir(parents=True)
         (cache / folder / name).write_bytes(b"x")
-    store.remove_build_outputs(package, cache)
-    assert sorted(p.name for p in cache.iterdir()) == ["kernels", "other"]
+    # another build (of the same architecture, which writes into the same folder) is running: nothing goes
+    with store.building(cache):
+        assert store.remove_build_outputs([package], cache) is False
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == ["build", "kernels", "other"]
+    assert store.remove_build_outputs([package], cache) is True
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == ["kernels", "other"]
 
 
 def test_a_disk_that_cannot_hold_the_packages_serves_eagerly_before_compiling(monkeypatch, tmp_path, disk, caplog):
@@ -186,7 +227,7 @@ def test_a_disk_that_cannot_hold_the_packages_serves_eagerly_before_compiling(mo
 
     from ppow_trl.serving.runtime import serving_runtime
 
-    disk(free=GB // 2)
+    disk(capacity=GB // 2)
     compiled = []
     monkeypatch.setattr(packaged, "export_step", lambda *a, **k: compiled.append(a))
     with caplog.at_level("WARNING"):

@@ -54,7 +54,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention import fixed_rows_attention
 from .inductor_settings import CompileSettings, compile_cache_dir, compile_context, use_compile_cache
-from .package_store import NotEnoughDisk, build_bytes, make_room, mark_used, package_path, remove_stale_build_files
+from .package_store import (build_bytes, disk_full, make_room, mark_used, package_bytes, package_path,
+                            remove_stale_build_files, store_budget_bytes)
 from .packaged import build_packages, build_workers, cache_state, load_package, weights_digest
 
 __all__ = ["CompileSettings", "CompiledCausalLM", "compile_cache_dir", "compile_context", "use_compile_cache"]
@@ -105,7 +106,9 @@ class CompiledCausalLM(torch.nn.Module):
         self._digest: str | None = None
         self.packages_built = 0  # packages compiled (not loaded from disk) by this runtime
         self.build_workers = 0  # how many of them were built at once (processes), the last time any were
-        if not self.settings.packaged:
+        if self.settings.packaged:
+            store_budget_bytes()  # a bad $PPOW_TRL_PACKAGE_STORE_GB: a clear error now, not a fallback in the warm-up
+        else:
             self._compile_with_dynamo()
         self.warm = False
         self.compile_seconds: float | None = None
@@ -257,8 +260,10 @@ class CompiledCausalLM(torch.nn.Module):
         model_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(),
                                                                                self.model.buffers()))
         workers = self.build_workers = build_workers(len(missing), model_bytes)
+        mark_used(package_set)  # in use: no other process removes it while this one builds
         # before any compiling: room on the disk, made by removing unused package sets, or a clear error
-        make_room(package_set, build_bytes(model_bytes, len(missing), workers))
+        make_room(package_set, keep=package_bytes(model_bytes, len(missing)),
+                  peak=build_bytes(model_bytes, len(missing), workers))
         with tqdm(total=len(missing), unit="package", disable=not progress,
                   desc=f"Building {type(self.model).__name__} packages ({self.label()}, {workers} at once)") as bar:
             def built(_rows):
@@ -284,8 +289,8 @@ class CompiledCausalLM(torch.nn.Module):
         loaded = _PACKAGES.setdefault(self.model, {})
         if path not in loaded:
             self._build_packages([rows], cache)
+            mark_used(path.parent)  # before loading: the store removes the least recently used sets, never one in use
             loaded[path] = load_package(path)
-            mark_used(path.parent)  # the package store removes the least recently used sets first
         return loaded[path]
 
     @torch.no_grad()
@@ -296,7 +301,7 @@ class CompiledCausalLM(torch.nn.Module):
         try:
             self._warm_every_row_count(progress)
         except Exception as error:  # noqa: BLE001 - any failure to package: torch.compile instead, said once
-            if not self.packaged or isinstance(error, NotEnoughDisk):  # torch.compile would fill the same disk
+            if not self.packaged or disk_full(error):  # torch.compile would fill the same disk
                 raise
             logger.warning("AOTInductor packaging failed (%s: %s); compiling with torch.compile instead (every process "
                            "then compiles again).", type(error).__name__,

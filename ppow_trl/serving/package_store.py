@@ -8,21 +8,25 @@ bytes (SmolLM2-135M fp32: 1.08 GB a package, 5.4 GB for the 5 row counts of K = 
 trained drafter, each training run's cost model) gets a set of its own. Unbounded, a few days of main-job runs and
 benchmarks filled a shared disk, and the next test run failed with "No space left on device". So:
 
-- ``make_room`` runs before a build: it removes the least recently used *other* package sets while the store would
-  exceed ``$PPOW_TRL_PACKAGE_STORE_GB`` (default 20) or the disk would keep less than 1 GB free, and raises
-  ``NotEnoughDisk`` (a clear message, before any compiling) when the disk still lacks room. The set being built is
-  never removed, so a budget below one set's size only means that no older set is kept.
-- ``mark_used`` stamps a set when a process loads it (its folder's modification time), so that "least recently used"
-  means used, not built. A set stamped in the last ``IN_USE_S`` seconds is never removed: another process may be
-  loading it.
-- ``remove_build_outputs`` deletes what AOTInductor leaves in inductor's cache folder once a package is written (the
+- ``make_room`` runs before a build: it removes the least recently used *other* sets while the store (with the
+  packages about to be written) would exceed ``$PPOW_TRL_PACKAGE_STORE_GB`` (default 20) or the disk would keep less
+  than 1 GB free during the build. If removing every unused set could not free enough disk, it removes nothing and
+  raises ``NotEnoughDisk`` (a clear message, before any compiling). The set being built is never removed, so a budget
+  below one set's size only means that no older set is kept.
+- A set is in use, and never removed, while a process loads or builds it: ``mark_used`` stamps it (its folder's
+  modification time) when a build starts and before a load, and a set stamped in the last ``IN_USE_S`` seconds, or
+  holding a build's temporary files, is skipped. "Least recently used" thus means used, not built.
+- ``remove_build_outputs`` deletes what AOTInductor leaves in inductor's cache folder once packages are written (the
   wrapper library with the weights in it, and its C++ sources): as many bytes as the package again, never read.
+  AOTInductor names that folder after the graph's code, not its weights, so two builds of one architecture share it:
+  every build holds ``building()`` (a shared lock), and the folders are removed only when no build holds it.
 - ``remove_stale_build_files`` deletes temporary files that killed builds left.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -39,8 +43,11 @@ STORE_ENV = "PPOW_TRL_PACKAGE_STORE_GB"
 DEFAULT_STORE_GB = 20.0
 DISK_MARGIN_BYTES = 1 << 30  # left free for everything else on the disk
 IN_USE_S = 600.0
-PACKAGE_BYTES_PER_WEIGHT_BYTE = 2  # measured: SmolLM2 fp32 0.54 GB -> 1.08 GB a package; its 2-layer drafter 0.107 -> 0.215
-BUILD_BYTES_PER_WEIGHT_BYTE = 3  # during a build, besides its package: the exported step (1x) and AOTInductor's build (2x)
+# Measured: SmolLM2 fp32 0.54 GB of weights -> 1.08 GB a package; its 2-layer drafter 0.107 -> 0.215 GB.
+PACKAGE_BYTES_PER_WEIGHT_BYTE = 2
+# During a build, besides its package: the exported step (1x) and AOTInductor's build folder (2x).
+BUILD_BYTES_PER_WEIGHT_BYTE = 3
+BUILD_LOCK = "package-builds.lock"
 
 
 class NotEnoughDisk(OSError):
@@ -53,8 +60,8 @@ def package_path(folder: Path, digest: str, rows: int, max_rows: int, max_cache_
 
 
 def store_budget_bytes() -> int:
-    """``$PPOW_TRL_PACKAGE_STORE_GB`` (default ``DEFAULT_STORE_GB``) in bytes: what the package sets other than the one
-    being built may keep on disk."""
+    """``$PPOW_TRL_PACKAGE_STORE_GB`` (default ``DEFAULT_STORE_GB``) in bytes: what the store may keep, the packages
+    about to be built included (older sets are removed to stay under it; the set being built never is)."""
     value = os.environ.get(STORE_ENV, "").strip()
     if not value:
         return int(DEFAULT_STORE_GB * 1e9)
@@ -68,10 +75,15 @@ def store_budget_bytes() -> int:
     return int(gigabytes * 1e9)
 
 
+def package_bytes(weight_bytes: int, packages: int) -> int:
+    """Disk that ``packages`` new packages keep: ``2 x weights`` each (``PACKAGE_BYTES_PER_WEIGHT_BYTE``)."""
+    return weight_bytes * PACKAGE_BYTES_PER_WEIGHT_BYTE * packages
+
+
 def build_bytes(weight_bytes: int, packages: int, workers: int) -> int:
-    """Disk a build needs at its peak: ``2 x weights`` per package written, plus ``3 x weights`` per build in
-    progress (``PACKAGE_BYTES_PER_WEIGHT_BYTE``, ``BUILD_BYTES_PER_WEIGHT_BYTE``)."""
-    return weight_bytes * (PACKAGE_BYTES_PER_WEIGHT_BYTE * packages + BUILD_BYTES_PER_WEIGHT_BYTE * min(workers, packages))
+    """Disk a build needs at its peak: the packages it keeps (``package_bytes``) plus ``3 x weights`` per build in
+    progress (``BUILD_BYTES_PER_WEIGHT_BYTE``)."""
+    return package_bytes(weight_bytes, packages) + weight_bytes * BUILD_BYTES_PER_WEIGHT_BYTE * min(workers, packages)
 
 
 def mark_used(package_set: Path) -> None:
@@ -96,52 +108,100 @@ def _bytes(folder: Path) -> int:
     return total
 
 
-def make_room(package_set: Path, needed: int) -> list[Path]:
-    """Before building ``needed`` bytes of packages into ``package_set``: remove the least recently used other sets
-    while ``store + needed > budget`` or ``free - needed < 1 GB``; the sets removed. Raises ``NotEnoughDisk`` when the
-    disk still cannot hold ``needed`` bytes (module docstring)."""
+def _in_use(folder: Path, now: float) -> bool:
+    """Stamped in the last ``IN_USE_S`` seconds, or holding a build's temporary files (a build in progress; files
+    left by a killed build go after a day, ``remove_stale_build_files``)."""
+    if now - folder.stat().st_mtime < IN_USE_S:
+        return True
+    return any(itertools.chain(folder.glob("*.exported.pt2"), folder.glob("*.partial.pt2")))
+
+
+def make_room(package_set: Path, keep: int, peak: int) -> list[Path]:
+    """Before building into ``package_set`` packages that keep ``keep`` bytes and need ``peak`` bytes of disk while
+    they build: remove the least recently used other sets not in use while ``store + keep > budget`` or
+    ``free - peak < 1 GB``; the sets removed. Raises ``NotEnoughDisk``, removing nothing, when removing every unused
+    set could not give ``peak`` bytes and 1 GB to spare (module docstring)."""
     package_set = Path(package_set)
     package_set.mkdir(parents=True, exist_ok=True)
     budget = store_budget_bytes()
     now = time.time()
-    others = []
+    others = []  # (last used, folder, bytes) of the sets that may go
+    stored = _bytes(package_set)
     for folder in package_sets(package_set):
         if folder.resolve() == package_set.resolve():
             continue
         with contextlib.suppress(OSError):
-            others.append((folder.stat().st_mtime, folder, _bytes(folder)))
-    others.sort()  # least recently used first
-    stored = sum(size for _, _, size in others) + _bytes(package_set)
-    removed = []
-    for used, folder, size in others:
-        if stored + needed <= budget and shutil.disk_usage(package_set).free - needed >= DISK_MARGIN_BYTES:
-            break
-        if now - used < IN_USE_S:  # another process may be loading it
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        stored -= size
-        removed.append(folder)
-    if removed:
-        logger.info("Removed %d unused package set(s) (%.1f GB) to keep the package store under %.0f GB (%s).",
-                    len(removed), sum(size for _, f, size in others if f in removed) / 1e9, budget / 1e9, STORE_ENV)
+            size = _bytes(folder)
+            stored += size
+            if not _in_use(folder, now):
+                others.append((folder.stat().st_mtime, folder, size))
     free = shutil.disk_usage(package_set).free
-    if free - needed < DISK_MARGIN_BYTES:
+    if free + sum(size for _, _, size in others) - peak < DISK_MARGIN_BYTES:
         raise NotEnoughDisk(
-            f"about {(needed + DISK_MARGIN_BYTES) / 1e9:.1f} GB free needed to build the compiled runtime's packages, "
+            f"about {(peak + DISK_MARGIN_BYTES) / 1e9:.1f} GB free needed to build the compiled runtime's packages, "
             f"{free / 1e9:.1f} GB free: free disk space, set PPOW_TRL_CACHE to a larger disk, or serve with runtime: "
             f"eager (packages in {package_set.parent})")
+    others.sort()  # least recently used first
+    removed, freed = [], 0
+    for _, folder, size in others:
+        if stored + keep <= budget and shutil.disk_usage(package_set).free - peak >= DISK_MARGIN_BYTES:
+            break
+        shutil.rmtree(folder, ignore_errors=True)
+        stored -= size
+        freed += size
+        removed.append(folder)
+    if removed:
+        logger.info("Removed %d unused package set(s) (%.1f GB) to keep the package store under %.0f GB (%s) and the "
+                    "disk from filling.", len(removed), freed / 1e9, budget / 1e9, STORE_ENV)
     return removed
 
 
-def remove_build_outputs(package: Path, inductor_cache: Path) -> None:
-    """Delete AOTInductor's build of ``package`` from ``inductor_cache``: the folder holding the wrapper library that
-    the package contains (``<key>.wrapper.so``, with the weights in it) and its C++ sources. Packaging copies them
-    into the package; nothing reads them again."""
-    with zipfile.ZipFile(package) as archive:
-        libraries = {Path(name).name for name in archive.namelist() if name.endswith(".wrapper.so")}
-    for library in libraries:
-        for built in Path(inductor_cache).glob(f"*/{library}"):
-            shutil.rmtree(built.parent, ignore_errors=True)
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is the disk running full."""
+    while error is not None:
+        if isinstance(error, NotEnoughDisk) or (isinstance(error, OSError) and error.errno == errno.ENOSPC):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@contextlib.contextmanager
+def building(inductor_cache: Path):
+    """Held (a shared lock on ``<inductor cache>/package-builds.lock``) while a package builds in ``inductor_cache``:
+    ``remove_build_outputs`` removes nothing while any process holds it."""
+    import fcntl
+
+    Path(inductor_cache).mkdir(parents=True, exist_ok=True)
+    with open(Path(inductor_cache) / BUILD_LOCK, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def remove_build_outputs(packages: list[Path], inductor_cache: Path) -> bool:
+    """Delete AOTInductor's builds of ``packages`` from ``inductor_cache`` (the folders holding the wrapper libraries
+    the packages contain, ``<key>.wrapper.so``, with the weights in them, and their C++ sources), unless a build is in
+    progress there (``building``): another build of the same architecture writes into the same folders. Whether they
+    were removed. Packaging copied them into the packages; nothing reads them again."""
+    import fcntl
+
+    with open(Path(inductor_cache) / BUILD_LOCK, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            for package in packages:
+                with zipfile.ZipFile(package) as archive:
+                    libraries = {Path(name).name for name in archive.namelist() if name.endswith(".wrapper.so")}
+                for library in libraries:
+                    for built in Path(inductor_cache).glob(f"*/{library}"):
+                        shutil.rmtree(built.parent, ignore_errors=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return True
 
 
 def remove_stale_build_files(folder: Path, older_than_s: float = 24 * 3600) -> None:

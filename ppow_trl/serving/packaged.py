@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import subprocess
@@ -45,7 +46,9 @@ from pathlib import Path
 import torch
 
 from .inductor_settings import CompileSettings, compile_context
-from .package_store import remove_build_outputs
+from .package_store import building, remove_build_outputs
+
+logger = logging.getLogger(__name__)
 
 BUILT = 0
 """Packages built (compiled, not loaded) in this process: a served loop must not add to it."""
@@ -113,17 +116,16 @@ def export_step(model, cache, rows: int, attention=None):
 
 def compile_exported(exported, path: Path, settings: CompileSettings) -> Path:
     """Compile an exported step into an AOTInductor package at ``path`` under ``settings``, written under a unique
-    temporary name and renamed when complete; AOTInductor's build of it is then removed from inductor's cache
-    (``remove_build_outputs``: as many bytes as the package)."""
+    temporary name and renamed when complete, holding ``building()`` meanwhile (``build_packages`` removes
+    AOTInductor's build folders when no build holds it)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.pt2")  # unique across processes and hosts
     try:
-        with compile_context(settings):
+        with building(Path(cache_dir())), compile_context(settings):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
         os.replace(partial, path)
-        remove_build_outputs(path, Path(cache_dir()))
     finally:
         partial.unlink(missing_ok=True)
     return path
@@ -175,7 +177,20 @@ def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettin
     else ``workers`` at a time, each compiled in its own process (``python -c ... _build_in_worker``) from the step
     exported here, while this process exports the next one. Why processes: inductor compiles a graph on one core
     (Python, then one C++ compiler call), so builds side by side use the other cores (``build_workers``).
-    ``on_built(rows)`` after each one. A failed worker raises ``RuntimeError`` with the end of its output."""
+    ``on_built(rows)`` after each one. A failed worker raises ``RuntimeError`` with the end of its output.
+    Then AOTInductor's build folders of these packages are removed, unless another build is in progress
+    (``remove_build_outputs``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    _build_each(model, cache, paths, settings, attention=attention, workers=workers, on_built=on_built)
+    try:
+        remove_build_outputs([path for path in paths.values() if path.exists()], Path(cache_dir()))
+    except Exception as error:  # noqa: BLE001 - the packages are built; a leftover only costs disk
+        logger.warning("Could not remove AOTInductor's build folders (%s: %s).", type(error).__name__, error)
+
+
+def _build_each(model, cache, paths: dict[int, Path], settings: CompileSettings, *, attention=None, workers: int = 1,
+                on_built=None) -> None:
     global BUILT
     if workers <= 1:
         for rows, path in paths.items():
@@ -185,19 +200,16 @@ def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettin
                 on_built(rows)
         return
     settings_json = json.dumps(asdict(settings))  # TypeError for options a worker could not be given
-    # The workers import this ppow_trl (a source checkout need not be installed), and check that they did.
+    # The workers import this ppow_trl: its folder goes first on their import path (``python -c`` puts the working
+    # folder first, which may hold another checkout; this one need not be installed), and they check that they did.
     package_parent = str(Path(__file__).resolve().parents[2])
-    on_path = {str(Path(entry or ".").resolve()) for entry in sys.path}
-    env = dict(os.environ)
-    if package_parent not in on_path:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
     threads = str(torch.get_num_threads())
     processes: set[subprocess.Popen] = set()
 
     def compile_in_worker(rows: int, exported_file: Path) -> int:
         try:
-            process = subprocess.Popen([sys.executable, "-c", _WORKER, str(exported_file), str(paths[rows]),
-                                        settings_json, threads, str(Path(__file__).resolve())], env=env,
+            process = subprocess.Popen([sys.executable, "-c", _WORKER, package_parent, str(exported_file),
+                                        str(paths[rows]), settings_json, threads, str(Path(__file__).resolve())],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             processes.add(process)
             stdout, stderr = process.communicate()
@@ -241,7 +253,8 @@ def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettin
             raise
 
 
-_WORKER = "from ppow_trl.serving.packaged import _build_in_worker; _build_in_worker()"
+_WORKER = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+           "from ppow_trl.serving.packaged import _build_in_worker; _build_in_worker()")
 
 
 def _build_in_worker() -> None:

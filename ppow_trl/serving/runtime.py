@@ -262,7 +262,7 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
             return ServingRuntime(compiled_target, compiled_drafter, "compiled", runtime, seconds, compiled_target.label(),
                                   precision=precision)
         except Exception as error:  # noqa: BLE001 - any failure to compile means: serve eagerly, say why
-            reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+            reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
     logger.warning("Compiled runtime unavailable (%s); serving eagerly.", reason)
     if settings.row_independent:  # not warned above
         _warn_low_precision(precision, drafter)
