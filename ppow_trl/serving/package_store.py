@@ -43,6 +43,7 @@ STORE_ENV = "PPOW_TRL_PACKAGE_STORE_GB"
 DEFAULT_STORE_GB = 20.0
 DISK_MARGIN_BYTES = 1 << 30  # left free for everything else on the disk
 IN_USE_S = 600.0
+STALE_BUILD_FILE_S = 24 * 3600.0  # a build's temporary file this old was left by a killed build
 # Measured: SmolLM2 fp32 0.54 GB of weights -> 1.08 GB a package; its 2-layer drafter 0.107 -> 0.215 GB.
 PACKAGE_BYTES_PER_WEIGHT_BYTE = 2
 # During a build, besides its package: the exported step (1x) and AOTInductor's build folder (2x).
@@ -113,7 +114,8 @@ def _in_use(folder: Path, now: float) -> bool:
     left by a killed build go after a day, ``remove_stale_build_files``)."""
     if now - folder.stat().st_mtime < IN_USE_S:
         return True
-    return any(itertools.chain(folder.glob("*.exported.pt2"), folder.glob("*.partial.pt2")))
+    return any(now - file.stat().st_mtime < STALE_BUILD_FILE_S
+               for file in itertools.chain(folder.glob("*.exported.pt2"), folder.glob("*.partial.pt2")))
 
 
 def make_room(package_set: Path, keep: int, peak: int) -> list[Path]:
@@ -204,7 +206,7 @@ def remove_build_outputs(packages: list[Path], inductor_cache: Path) -> bool:
     return True
 
 
-def remove_stale_build_files(folder: Path, older_than_s: float = 24 * 3600) -> None:
+def remove_stale_build_files(folder: Path, older_than_s: float = STALE_BUILD_FILE_S) -> None:
     """Delete the temporary files of builds that were killed (``*.exported.pt2``, ``*.partial.pt2``) in ``folder``,
     once they are older than any build takes (another process may be building into the same folder now)."""
     now = time.time()
