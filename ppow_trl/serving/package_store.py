@@ -37,6 +37,11 @@ from pathlib import Path
 
 from ..utils import cache_root
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
 logger = logging.getLogger(__name__)
 
 STORE_ENV = "PPOW_TRL_PACKAGE_STORE_GB"
@@ -114,8 +119,7 @@ def _in_use(folder: Path, now: float) -> bool:
     left by a killed build go after a day, ``remove_stale_build_files``)."""
     if now - folder.stat().st_mtime < IN_USE_S:
         return True
-    return any(now - file.stat().st_mtime < STALE_BUILD_FILE_S
-               for file in itertools.chain(folder.glob("*.exported.pt2"), folder.glob("*.partial.pt2")))
+    return any(now - file.stat().st_mtime < STALE_BUILD_FILE_S for file in _build_files(folder))
 
 
 def make_room(package_set: Path, keep: int, peak: int) -> list[Path]:
@@ -169,17 +173,14 @@ def disk_full(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def building(inductor_cache: Path):
-    """Held (a shared lock on ``<inductor cache>/package-builds.lock``) while a package builds in ``inductor_cache``:
-    ``remove_build_outputs`` removes nothing while any process holds it."""
-    import fcntl
-
+    """Held (a shared ``flock`` on ``<inductor cache>/package-builds.lock``, released when the file closes) while a
+    package builds in ``inductor_cache``: ``remove_build_outputs`` removes nothing while any process holds it. Without
+    ``flock`` (Windows) nothing is locked, and ``remove_build_outputs`` keeps the folders."""
     Path(inductor_cache).mkdir(parents=True, exist_ok=True)
     with open(Path(inductor_cache) / BUILD_LOCK, "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        yield
 
 
 def remove_build_outputs(packages: list[Path], inductor_cache: Path) -> bool:
@@ -187,30 +188,32 @@ def remove_build_outputs(packages: list[Path], inductor_cache: Path) -> bool:
     the packages contain, ``<key>.wrapper.so``, with the weights in them, and their C++ sources), unless a build is in
     progress there (``building``): another build of the same architecture writes into the same folders. Whether they
     were removed. Packaging copied them into the packages; nothing reads them again."""
-    import fcntl
-
+    if fcntl is None:  # no way to know that no build runs: a leftover only costs disk
+        return False
     with open(Path(inductor_cache) / BUILD_LOCK, "a+") as lock:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes
         except BlockingIOError:
             return False
-        try:
-            for package in packages:
-                with zipfile.ZipFile(package) as archive:
-                    libraries = {Path(name).name for name in archive.namelist() if name.endswith(".wrapper.so")}
-                for library in libraries:
-                    for built in Path(inductor_cache).glob(f"*/{library}"):
-                        shutil.rmtree(built.parent, ignore_errors=True)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        for package in packages:
+            with zipfile.ZipFile(package) as archive:
+                libraries = {Path(name).name for name in archive.namelist() if name.endswith(".wrapper.so")}
+            for library in libraries:
+                for built in Path(inductor_cache).glob(f"*/{library}"):
+                    shutil.rmtree(built.parent, ignore_errors=True)
     return True
+
+
+def _build_files(folder: Path):
+    """The temporary files of builds in ``folder``: exported steps and packages being written."""
+    return itertools.chain(Path(folder).glob("*.exported.pt2"), Path(folder).glob("*.partial.pt2"))
 
 
 def remove_stale_build_files(folder: Path, older_than_s: float = STALE_BUILD_FILE_S) -> None:
     """Delete the temporary files of builds that were killed (``*.exported.pt2``, ``*.partial.pt2``) in ``folder``,
     once they are older than any build takes (another process may be building into the same folder now)."""
     now = time.time()
-    for stale in itertools.chain(Path(folder).glob("*.exported.pt2"), Path(folder).glob("*.partial.pt2")):
+    for stale in _build_files(folder):
         with contextlib.suppress(OSError):
             if now - stale.stat().st_mtime > older_than_s:
                 stale.unlink()
