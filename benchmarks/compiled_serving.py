@@ -25,8 +25,11 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
 Every row: median ms/token [95% CI], tau, speedups against ``compiled_plain[fp32]`` and ``hf_generate_eager``
 (ratio of total times [95% CI]), lossless prompts (tokens equal to compiled plain decoding's) and agreement with
 eager plain decoding; each drafter's cost model on the compiled runtime and the compile seconds of this run.
-Results are written after each thread count; a rerun skips thread counts already in the JSON (``--force`` reruns
-those asked for and keeps the others).
+Results are written after each thread count; a rerun skips thread counts already in the JSON with the same
+settings (``--force`` reruns those asked for from scratch and keeps the others). A thread count's run is resumable:
+every finished prompt (all arms) and every calibrated rule is kept under ``cache_root()/bench/compiled_serving/``
+(``compare_arms(checkpoint=...)``), so the same command run again after a kill goes on from the prompt it was on,
+with the same rules; that folder is removed once the thread count's results are in the JSON.
 
     python benchmarks/compiled_serving.py                              # 80 MT-bench + 40 code prompts, 1 and 2 threads
     python benchmarks/compiled_serving.py --mtbench 24 --code 12 --threads 1
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -51,6 +55,22 @@ HF_MAX_CACHE_LEN = 576  # not 512: transformers' compiled call and ours share dy
 CALIBRATION_PROMPTS = 16
 
 
+def run_state_dir(args, threads: int) -> Path:
+    """Where one thread count's unfinished run keeps its rules and finished prompts: keyed by everything that changes
+    the arms or the prompts (the settings, the drafter's files, torch's version), so a changed run starts over."""
+    import hashlib
+
+    import torch
+
+    from ppow_trl.utils import cache_root
+
+    drafter = Path(args.drafter)
+    files = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in drafter.iterdir() if f.is_file())
+    key = json.dumps([args.mtbench, args.code, args.max_new_tokens, args.max_window, str(drafter.resolve()), files,
+                      sorted(args.precisions), args.skip_hf_compiled, args.skip_llama_cpp, torch.__version__])
+    return cache_root() / "bench" / "compiled_serving" / f"threads{threads}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
 def child(args) -> dict:
     import torch
     from transformers import AutoTokenizer
@@ -60,6 +80,7 @@ def child(args) -> dict:
     from ppow_trl.bench.served import compare_arms, format_arms, generate_arm, loop_arm
     from ppow_trl.serving.calibration import held_out_contexts
     from ppow_trl.serving.compiled import CompileSettings, compile_cache_dir
+    from ppow_trl.serving.cost import CostModel
     from ppow_trl.data import build_target_responses, encode_prompt, load_prompts, stop_token_ids
     from ppow_trl.drafting import get_family, load_drafter
     from ppow_trl.drafters.hybrid import hybrid_drafter
@@ -76,6 +97,10 @@ def child(args) -> dict:
 
     threads = args.threads[0]
     set_cpu_threads(threads)
+    state = run_state_dir(args, threads)
+    if args.fresh:
+        shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(parents=True, exist_ok=True)
     target = load_target(smollm2_path()).eval()
     tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
     stop_ids = stop_token_ids(target, tokenizer)
@@ -93,19 +118,32 @@ def child(args) -> dict:
                                          cache_dir=cache_root() / "responses")
     contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4, 64)
 
+    rules, costs = {}, {}
+
+    def calibrate(name, drafter, runtime):
+        """The served rule and cost model of one arm on ``runtime``: calibrated once per run, then read back, so a
+        resumed run serves the rules its first prompts were served with."""
+        if runtime.name != "compiled":
+            raise SystemExit(f"The compiled runtime is unavailable here ({runtime.fallback}); nothing to compare.")
+        saved = state / "rules" / name
+        if (saved / "ppow_window_policy.json").is_file() and (saved / "ppow_cost_model.json").is_file():
+            policy, cost_model = AdaptiveWindowPolicy.from_pretrained(saved), CostModel.from_pretrained(saved)
+        else:
+            with torch.no_grad():
+                policy, cost_model, _ = calibrate_for_serving(target, drafter, contexts, max_window=K,
+                                                              vocab_size=vocab, pad_id=pad_id, runtime=runtime)
+            cost_model.save_pretrained(saved)
+            policy.save_pretrained(saved)  # the policy last: its file marks the pair complete
+        rules[name], costs[name] = policy, cost_model
+        print(f"[{name}] {policy.calibration['serving_rule']}", file=sys.stderr, flush=True)
+        return policy
+
     started = time.perf_counter()
     runtimes = {name: serving_runtime(target, drafter, runtime="compiled", max_window=K, max_cache_len=MAX_CACHE_LEN)
                 for name, drafter in drafters.items()}
     compile_s = time.perf_counter() - started
-    rules, costs = {}, {}
     for name, runtime in runtimes.items():
-        if runtime.name != "compiled":
-            raise SystemExit(f"The compiled runtime is unavailable here ({runtime.fallback}); nothing to compare.")
-        with torch.no_grad():
-            policy, cost_model, _ = calibrate_for_serving(target, drafters[name], contexts, max_window=K,
-                                                          vocab_size=vocab, pad_id=pad_id, runtime=runtime)
-        rules[name], costs[name] = policy, cost_model
-        print(f"[{name}] {policy.calibration['serving_rule']}", file=sys.stderr, flush=True)
+        calibrate(name, drafters[name], runtime)
 
     compiled_target = runtimes["ppow"].target
     plain = "compiled_plain[fp32]"
@@ -121,11 +159,7 @@ def child(args) -> dict:
             runtime = serving_runtime(converted, drafter, runtime="compiled", max_window=K,
                                       max_cache_len=MAX_CACHE_LEN, precision=precision)
             compile_s += time.perf_counter() - started
-            with torch.no_grad():
-                policy, cost_model, _ = calibrate_for_serving(target, drafter, contexts, max_window=K,
-                                                              vocab_size=vocab, pad_id=pad_id, runtime=runtime)
-            rules[f"{name}@{precision}"], costs[f"{name}@{precision}"] = policy, cost_model
-            print(f"[{name}@{precision}] {policy.calibration['serving_rule']}", file=sys.stderr, flush=True)
+            policy = calibrate(f"{name}@{precision}", drafter, runtime)
             if name == "ppow":
                 arms.append(loop_arm(reference, runtime.target, drafter, AdaptiveWindowPolicy(max_window=0), stop_ids,
                                      vocab, reference))
@@ -156,7 +190,6 @@ def child(args) -> dict:
     llama_cpp = {"skipped": "--skip-llama-cpp"}
     if not args.skip_llama_cpp:
         import atexit
-        import shutil
         import tempfile
 
         work = Path(tempfile.mkdtemp(prefix="ppow_llama_cpp_"))  # GGUF files (0.7 GB): removed when this run ends
@@ -183,7 +216,8 @@ def child(args) -> dict:
                                      "loop_overhead (o_0, o_r, o_d)": [round(c.plain_overhead, 4), round(c.round_overhead, 4),
                                                                        round(c.drafted_token_overhead, 4)]}
                               for name, c in costs.items()},
-              "rules": {name: p.calibration["serving_rule"] for name, p in rules.items()}, "llama_cpp": llama_cpp}
+              "rules": {name: p.calibration["serving_rule"] for name, p in rules.items()}, "llama_cpp": llama_cpp,
+              "run_state": str(state)}
     sets = {"mtbench": args.mtbench, "code": args.code}
     for set_name, count in sets.items():
         if not count:
@@ -198,7 +232,8 @@ def child(args) -> dict:
             if len(fitting) == count:
                 break
         result = compare_arms(arms, fitting, max_new_tokens=args.max_new_tokens,
-                              baselines=[plain, "hf_generate_eager"], eager_reference="hf_generate_eager")
+                              baselines=[plain, "hf_generate_eager"], eager_reference="hf_generate_eager",
+                              checkpoint=state / f"{set_name}.jsonl")
         report["runs"][set_name] = {"prompts": len(fitting), "skipped_too_long": len(ids) - len(fitting),
                                     "arms": result["arms"], "table": format_arms(result["arms"], [plain, "hf_generate_eager"])}
         print("\n".join(report["runs"][set_name]["table"]), file=sys.stderr, flush=True)
@@ -320,6 +355,7 @@ def main() -> int:
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)  # --force: forget a killed run
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args)))
@@ -329,16 +365,19 @@ def main() -> int:
     # --force reruns the thread counts asked for and keeps the others' results.
     results = json.loads(args.out.read_text()) if args.out.is_file() else {"runs": {}, "meta": {}}
     results["command"] = "python benchmarks/compiled_serving.py " + " ".join(sys.argv[1:])
+    settings = {"mtbench": args.mtbench, "code": args.code, "max_new_tokens": args.max_new_tokens,
+                "max_window": args.max_window, "drafter": str(args.drafter), "precisions": sorted(args.precisions),
+                "skip_hf_compiled": args.skip_hf_compiled, "skip_llama_cpp": args.skip_llama_cpp}
     for threads in args.threads:
         key = f"threads{threads}"
-        if not args.force and any(k.startswith(key + "/") for k in results["runs"]):
-            print(f"{key}: already in {args.out} (--force to rerun)")
+        if not args.force and results["meta"].get(key, {}).get("settings") == settings:
+            print(f"{key}: already in {args.out} with these settings (--force to rerun)")
             continue
         command = [sys.executable, __file__, "--child", "--threads", str(threads), "--mtbench", str(args.mtbench),
                    "--code", str(args.code), "--max-new-tokens", str(args.max_new_tokens), "--max-window",
                    str(args.max_window), "--drafter", args.drafter] + (["--skip-hf-compiled"] if args.skip_hf_compiled else []) + (
                       ["--skip-llama-cpp"] if args.skip_llama_cpp else []) + [
-                      "--precisions", *args.precisions]
+                      "--precisions", *args.precisions] + (["--fresh"] if args.force else [])
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
         if done.returncode:
@@ -348,10 +387,13 @@ def main() -> int:
         for set_name, run in report.pop("runs").items():
             results["runs"][f"{key}/{set_name}"] = run
         report["command"] = results["command"]  # each thread count's own command (the top-level one is the latest)
+        state = report.pop("run_state")
+        report["settings"] = settings  # a rerun with the same settings skips this thread count
         results["meta"][key] = report
         args.out.write_text(json.dumps(results, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(markdown(results))
         plot(results, args.out.with_suffix(".png"))
+        shutil.rmtree(state, ignore_errors=True)  # in the JSON now: nothing left to resume
     print(args.out.with_suffix(".md").read_text())
     return 0
 

@@ -308,6 +308,24 @@ def test_a_package_is_keyed_by_the_weights_it_embeds():
     assert weights_digest(target) != weights_digest(again)
 
 
+def test_a_drafter_saved_and_loaded_again_keeps_its_package_key(tmp_path):
+    """The main job builds its trained drafter's packages, then saves it; ``load_drafter`` on that folder must find
+    them, not build them again (the saved config gains metadata: where it came from, architectures, auto_map)."""
+    from ppow_trl import save_assistant
+    from ppow_trl.drafting import load_drafter
+    from ppow_trl.models import make_drafter
+    from ppow_trl.serving.packaged import weights_digest
+
+    target, _, close = make_target_and_drafters(seed=0, noise=0.02)
+    for drafter in (close, make_drafter(close, num_layers=1, draft_vocab_ids=list(range(3, 48)))):
+        folder = save_assistant(drafter, tmp_path / type(drafter).__name__, policy=AdaptiveWindowPolicy(2, 0.0))
+        loaded = load_drafter(folder, target=target)
+        assert weights_digest(loaded) == weights_digest(drafter)
+        with torch.no_grad():
+            next(loaded.parameters()).view(-1)[0] += 1e-3
+        assert weights_digest(loaded) != weights_digest(drafter)  # the weights still count
+
+
 def test_serving_runtime_compiles_target_and_standalone_drafter_and_times_them(models):
     from ppow_trl.serving.runtime import serving_runtime
     from ppow_trl.serving.rule import calibrate_for_serving

@@ -76,3 +76,43 @@ def test_unknown_baseline_is_refused_before_any_run(arms):
         compare_arms(served, [torch.ones((1, 3), dtype=torch.long)], max_new_tokens=4, baselines=["nope"])
     with pytest.raises(ValueError, match="at least one prompt"):
         compare_arms(served, [], max_new_tokens=4, baselines=["plain"])
+
+
+def test_a_killed_comparison_resumes_from_its_checkpoint_without_rerunning_finished_prompts(tmp_path):
+    calls = []
+
+    def counting(label, tokens, die_at=None):
+        def run(ids, n):
+            prompt = int(ids[0, 0])
+            if die_at is not None and prompt == die_at and not run.survived:
+                run.survived = True  # dies once, like a run killed on this prompt
+                raise KeyboardInterrupt
+            calls.append((label, prompt))
+            return [prompt + t for t in tokens], len(tokens)
+
+        run.survived = False
+        return Arm(label, run, "base")
+
+    prompts = [torch.full((1, 3), p, dtype=torch.long) for p in range(4)]
+    arms = [counting("base", [0, 1, 2]), counting("lossy", [0, 1, 7], die_at=2)]
+    path = tmp_path / "run.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        compare_arms(arms, prompts, max_new_tokens=3, baselines=["base"], progress=False, warmup=False,
+                     checkpoint=path)
+    finished = {prompt for label, prompt in calls if label == "lossy"}
+    assert finished == {0, 1}
+    calls.clear()
+    with path.open("a") as handle:
+        handle.write('{"index": 2, "prom')  # the line a killed run was writing is dropped, not an error
+    result = compare_arms(arms, prompts, max_new_tokens=3, baselines=["base"], progress=False, warmup=False,
+                          checkpoint=path)
+    assert {prompt for _, prompt in calls} == {2, 3}  # prompts 0 and 1 were read back, not run again
+    assert result["arms"]["lossy"]["lossless_prompts"] == "0/4" and result["arms"]["lossy"]["prompts"] == 4
+    again = compare_arms(arms, prompts, max_new_tokens=3, baselines=["base"], progress=False, warmup=False,
+                         checkpoint=path)
+    assert again["arms"] == result["arms"]  # everything read back: the same summary
+    with pytest.raises(ValueError, match="another comparison"):
+        compare_arms(arms[:1], prompts, max_new_tokens=3, baselines=["base"], progress=False, checkpoint=path)
+    with pytest.raises(ValueError, match="another prompt list"):
+        compare_arms(arms, [p + 10 for p in prompts], max_new_tokens=3, baselines=["base"], progress=False,
+                     checkpoint=path)

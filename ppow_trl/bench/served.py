@@ -14,14 +14,21 @@ prompt (a burst of load on a shared machine lands on all arms alike), and summar
 - ``lossless_prompts``: prompts whose tokens equal the reference arm's (the plain arm of the same runtime and
   precision), as ``"k/n"``; ``agrees_with_eager_prompts``: the same against eager plain decoding (the kernels differ
   between runtimes, so a near tie may flip a token).
+
+A long comparison (a benchmark of hours) passes ``checkpoint=``: a JSON-lines file that gets one line per finished
+prompt (every arm's tokens and seconds). Run again with the same file, it reads those prompts back and runs only the
+rest, so a run that is killed loses at most the prompt it was on.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -80,9 +87,41 @@ def _same_tokens(tokens, reference) -> bool:
 
 
 @torch.no_grad()
+def _prompt_digest(ids: torch.Tensor) -> str:
+    return hashlib.sha1(json.dumps(ids.flatten().tolist()).encode()).hexdigest()[:16]
+
+
+def _read_checkpoint(path: Path, labels: list[str], max_new_tokens: int, digests: list[str]) -> dict[int, dict]:
+    """The finished prompts of an earlier run, ``{prompt index: row}``, after checking that it ran these arms on these
+    prompts; a truncated last line (a run killed while writing) is dropped."""
+    lines = path.read_text().splitlines()
+    if not lines:
+        return {}
+    header = json.loads(lines[0])
+    if header != {"labels": labels, "max_new_tokens": max_new_tokens}:
+        raise ValueError(f"The checkpoint {path} was written by another comparison ({header}), not this one "
+                         f"(arms {labels}, max_new_tokens {max_new_tokens}): delete it to start over.")
+    done = {}
+    for number, line in enumerate(lines[1:], start=2):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # the line a killed run was writing
+                break
+            raise ValueError(f"The checkpoint {path} is damaged at line {number}: delete it to start over.") from None
+        index = entry["index"]
+        if index >= len(digests) or entry["prompt"] != digests[index]:
+            raise ValueError(f"The checkpoint {path} holds prompt {index} of another prompt list: delete it to start "
+                             "over.")
+        done[index] = entry["row"]
+    return done
+
+
 def compare_arms(arms: list[Arm], prompt_ids: list[torch.Tensor], *, max_new_tokens: int, baselines: list[str],
-                 eager_reference: str | None = None, warmup: bool = True, progress: bool = True) -> dict:
-    """Every arm on every prompt, rotated; returns ``{"arms": {label: summary}, "records": [...]}`` (module doc)."""
+                 eager_reference: str | None = None, warmup: bool = True, progress: bool = True,
+                 checkpoint: str | Path | None = None) -> dict:
+    """Every arm on every prompt, rotated; returns ``{"arms": {label: summary}, "records": [...]}`` (module doc).
+    With ``checkpoint``, the prompts already in that file are read back, not run again."""
     from tqdm.auto import tqdm
 
     labels = [arm.label for arm in arms]
@@ -92,19 +131,37 @@ def compare_arms(arms: list[Arm], prompt_ids: list[torch.Tensor], *, max_new_tok
                if name not in labels]
     if missing:
         raise ValueError(f"compare_arms: baseline or reference arms {missing} are not among the arms {labels}.")
-    if warmup:  # first calls (allocations, lazy imports) are not timed
+    digests = [_prompt_digest(ids) for ids in prompt_ids]
+    done = {}
+    if checkpoint is not None:
+        checkpoint = Path(checkpoint)
+        if checkpoint.is_file():
+            done = _read_checkpoint(checkpoint, labels, max_new_tokens, digests)
+        # Written again from what was read: a line a killed run left half-written must not prefix the next one.
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.write_text("".join(json.dumps(entry) + "\n" for entry in
+                                      [{"labels": labels, "max_new_tokens": max_new_tokens}] +
+                                      [{"index": i, "prompt": digests[i], "row": row} for i, row in sorted(done.items())]))
+    if warmup and len(done) < len(prompt_ids):  # first calls (allocations, lazy imports) are not timed
         for arm in arms:
             arm.run(prompt_ids[0], 4)
     records = []
     for index, ids in enumerate(tqdm(prompt_ids, desc="Prompts (every arm)", disable=not progress)):
+        if index in done:
+            records.append(done[index])
+            continue
         order = arms[index % len(arms):] + arms[: index % len(arms)]
         row = {}
         for arm in order:
             start = time.perf_counter()
             tokens, verify_forwards = arm.run(ids, max_new_tokens)
             seconds = time.perf_counter() - start
-            row[arm.label] = {"tokens": tokens, "seconds": seconds, "verify_forwards": verify_forwards}
+            row[arm.label] = {"tokens": [int(t) for t in tokens], "seconds": seconds,
+                              "verify_forwards": int(verify_forwards)}
         records.append(row)
+        if checkpoint is not None:
+            with checkpoint.open("a") as handle:
+                handle.write(json.dumps({"index": index, "prompt": digests[index], "row": row}) + "\n")
     summary = {}
     for arm in arms:
         per_prompt = [r[arm.label] for r in records]

@@ -80,6 +80,20 @@ class CacheStep(torch.nn.Module):
                 layer.keys, layer.values, layer.cumulative_length = tensors
 
 
+CONFIG_METADATA_KEYS = frozenset({"_name_or_path", "_model_name_or_path", "_commit_hash", "architectures", "auto_map",
+                                  "transformers_version", "dtype", "torch_dtype", "use_cache"})
+"""Config fields that never change a package's graph (where the model was loaded from, which classes a Hub repo maps
+to, the version that saved it; the dtype is the tensors', hashed as such; the runtime always passes ``use_cache``).
+A model reloaded from its ``save_pretrained`` folder has other values here than the one that was saved, and must
+find the packages built for it."""
+
+
+def _graph_config(config: dict) -> dict:
+    """``config`` without ``CONFIG_METADATA_KEYS``, at every level (a composite config nests its text config)."""
+    return {key: _graph_config(value) if isinstance(value, dict) else value for key, value in config.items()
+            if key not in CONFIG_METADATA_KEYS}
+
+
 def weights_digest(model) -> str:
     """A hash of what a package embeds: every parameter and buffer (name, dtype, shape, bytes) and the config.
     About a second for SmolLM2's 0.5 GB."""
@@ -90,8 +104,10 @@ def weights_digest(model) -> str:
     digest.update(transformers.__version__.encode())
     for source in (Path(__file__), Path(__file__).with_name("attention.py")):
         digest.update(source.read_bytes())
+    digest.update(f"{type(model).__module__}.{type(model).__qualname__}".encode())
     config = getattr(model, "config", None)
-    digest.update((config.to_json_string() if hasattr(config, "to_json_string") else type(model).__name__).encode())
+    if hasattr(config, "to_diff_dict"):
+        digest.update(json.dumps(_graph_config(config.to_diff_dict()), sort_keys=True, default=str).encode())
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
         tensor = tensor.detach().cpu().contiguous()
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
