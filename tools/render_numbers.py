@@ -445,8 +445,11 @@ def compiled_serving(results: Path):
         "Per row: median ms/token [95% CI], tau (tokens per target forward), speedups against `compiled_plain[fp32]` "
         "and `hf_generate_eager` (ratio of total times [95% CI]), lossless prompts (tokens equal to plain decoding's "
         "at the same precision and runtime) and agreement with fp32 eager plain decoding (`= eager`).", "",
-        *command_block(data.get("command"), "Each thread count's own command is given with its tables (a rerun skips "
-                                            "thread counts already in the JSON; `--force` reruns those asked for)."),
+        *command_block(data.get("command"), "Each thread count's own command is given with its tables. A rerun skips "
+                                            "thread counts already in the JSON with the same settings (`--force` "
+                                            "reruns those asked for from scratch). A run that is killed resumes: "
+                                            "the same command goes on from the prompt it was on, with the rules it "
+                                            "calibrated (kept under the cache's `bench/compiled_serving/`)."),
     ]
     sections = [(COMPILED_SERVING_HEADING, lines)]
     for threads_key, runs in _threads_groups(data).items():

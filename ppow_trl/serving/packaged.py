@@ -13,8 +13,9 @@ How:
   that the graph updates in place. A package holds no cache: it serves the runtime's ``StaticCache``, which the
   eager prefill and ``crop_cache`` share.
 - A package embeds the weights, so its name is keyed by them: ``weights_digest`` hashes every parameter and buffer
-  (name, dtype, shape, bytes), the config, transformers' version and the source of this module and of the attention
-  it traces. A trained drafter or a converted target gets packages of its own, and a package can never serve weights
+  (name, dtype, shape, bytes), the model's class, its config without metadata (``CONFIG_METADATA_KEYS``: a drafter
+  saved and loaded again keeps its key), transformers' version and the source of this module and of the attention it
+  traces. A trained drafter or a converted target gets packages of its own, and a package can never serve weights
   or code other than the ones it was built from. The runtime adds the settings' key (``compile_cache_dir``'s name:
   torch's version, the CPU's instruction sets, the thread count, the inductor settings).
 - Only full static caches (``StaticLayer``): a sliding-window layer keeps its length in a Python int that a traced
@@ -95,8 +96,8 @@ def _graph_config(config: dict) -> dict:
 
 
 def weights_digest(model) -> str:
-    """A hash of what a package embeds: every parameter and buffer (name, dtype, shape, bytes) and the config.
-    About a second for SmolLM2's 0.5 GB."""
+    """A hash of what a package embeds: every parameter and buffer (name, dtype, shape, bytes), the model's class and
+    its config without ``CONFIG_METADATA_KEYS``. About a second for SmolLM2's 0.5 GB."""
     import transformers
 
     digest = hashlib.blake2b(digest_size=12)
