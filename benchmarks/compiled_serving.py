@@ -26,10 +26,11 @@ Every row: median ms/token [95% CI], tau, speedups against ``compiled_plain[fp32
 (ratio of total times [95% CI]), lossless prompts (tokens equal to compiled plain decoding's) and agreement with
 eager plain decoding; each drafter's cost model on the compiled runtime and the compile seconds of this run.
 Results are written after each thread count; a rerun skips thread counts already in the JSON with the same
-settings (``--force`` reruns those asked for from scratch and keeps the others). A thread count's run is resumable:
-every finished prompt (all arms) and every calibrated rule is kept under ``cache_root()/bench/compiled_serving/``
-(``compare_arms(checkpoint=...)``), so the same command run again after a kill goes on from the prompt it was on,
-with the same rules; that folder is removed once the thread count's results are in the JSON.
+settings and no unfinished run (``--force`` reruns those asked for from scratch and keeps the others). A thread
+count's run is resumable: every finished prompt (all arms) and every calibrated rule is kept under
+``cache_root()/bench/compiled_serving/`` (``compare_arms(checkpoint=...)``), so the same command run again after a
+kill goes on from the prompt it was on, with the same rules; that folder is removed once the thread count's results
+are in the JSON.
 
     python benchmarks/compiled_serving.py                              # 80 MT-bench + 40 code prompts, 1 and 2 threads
     python benchmarks/compiled_serving.py --mtbench 24 --code 12 --threads 1
@@ -370,7 +371,8 @@ def main() -> int:
                 "skip_hf_compiled": args.skip_hf_compiled, "skip_llama_cpp": args.skip_llama_cpp}
     for threads in args.threads:
         key = f"threads{threads}"
-        if not args.force and results["meta"].get(key, {}).get("settings") == settings:
+        unfinished = run_state_dir(args, threads).is_dir()  # a run of these settings that was stopped: go on with it
+        if not args.force and not unfinished and results["meta"].get(key, {}).get("settings") == settings:
             print(f"{key}: already in {args.out} with these settings (--force to rerun)")
             continue
         command = [sys.executable, __file__, "--child", "--threads", str(threads), "--mtbench", str(args.mtbench),

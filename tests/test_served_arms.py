@@ -43,6 +43,8 @@ def test_greedy_arms_are_lossless_and_speedups_are_ratios_of_total_time(arms):
     total = lambda label: sum(r[label]["seconds"] for r in records)  # noqa: E731
     # the same tokens (lossless, no early stop): the throughput ratio is the ratio of total times
     assert summary["spec[close]"]["speedup_vs_hf"] == pytest.approx(total("hf") / total("spec[close]"))
+    # against its own plain reference too (the table's "own plain" column), whatever the baselines
+    assert summary["spec[close]"]["speedup_vs_reference"] == pytest.approx(total("plain") / total("spec[close]"))
     for entry in summary.values():
         low, high = entry["speedup_vs_hf_ci95"]
         assert low <= high
@@ -50,6 +52,22 @@ def test_greedy_arms_are_lossless_and_speedups_are_ratios_of_total_time(arms):
         assert low <= entry["ms_per_token_median"] <= high
     table = format_arms(summary, ["plain", "hf"])
     assert len(table) == 2 + len(served) and "3/3" in table[-1]
+    assert "own plain" in table[0] and all(row.count("|") == table[0].count("|") for row in table)
+
+
+def test_each_arm_is_also_compared_with_its_own_plain_reference():
+    """An int8 speculative row is judged against int8 plain decoding, not only against the fp32 baseline."""
+    fp32 = Arm("plain[fp32]", lambda ids, n: (time.sleep(0.02) or [1] * 4, 4), "plain[fp32]")
+    int8 = Arm("plain[int8]", lambda ids, n: (time.sleep(0.01) or [1] * 4, 4), "plain[int8]")
+    spec = Arm("spec@int8", lambda ids, n: (time.sleep(0.005) or [1] * 4, 2), "plain[int8]")
+    result = compare_arms([fp32, int8, spec], [torch.ones((1, 2), dtype=torch.long)] * 3, max_new_tokens=4,
+                          baselines=["plain[fp32]"], progress=False, warmup=False)
+    entry = result["arms"]["spec@int8"]
+    total = lambda label: sum(r[label]["seconds"] for r in result["records"])  # noqa: E731
+    assert entry["reference"] == "plain[int8]"
+    assert entry["speedup_vs_reference"] == pytest.approx(total("plain[int8]") / total("spec@int8"))
+    assert entry["speedup_vs_plain[fp32]"] == pytest.approx(total("plain[fp32]") / total("spec@int8"))
+    assert entry["speedup_vs_reference"] < entry["speedup_vs_plain[fp32]"]
 
 
 def test_speedup_is_a_throughput_ratio_when_arms_generate_different_lengths():

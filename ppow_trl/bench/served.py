@@ -162,6 +162,27 @@ def compare_arms(arms: list[Arm], prompt_ids: list[torch.Tensor], *, max_new_tok
         if checkpoint is not None:
             with checkpoint.open("a") as handle:
                 handle.write(json.dumps({"index": index, "prompt": digests[index], "row": row}) + "\n")
+    return {"arms": summarize_records(arms, records, baselines=baselines, eager_reference=eager_reference or labels[0]),
+            "records": [{label: {k: v for k, v in cell.items() if k != "tokens"} for label, cell in row.items()}
+                        for row in records]}
+
+
+def _throughput_ratio(records: list[dict], label: str, baseline: str) -> tuple[float, tuple[float, float]]:
+    """``label``'s throughput over ``baseline``'s over all prompts (module doc), with its 95% bootstrap interval."""
+    pairs = [(r[baseline]["seconds"], max(1, len(r[baseline]["tokens"])), r[label]["seconds"],
+              max(1, len(r[label]["tokens"]))) for r in records]
+
+    def ratio(sample):  # throughput of the arm over the baseline's, over the sampled prompts
+        return (sum(n for _, _, _, n in sample) / sum(t for _, _, t, _ in sample)) / (
+            sum(n for _, n, _, _ in sample) / sum(t for t, _, _, _ in sample))
+
+    return ratio(pairs), _bootstrap(pairs, ratio)
+
+
+def summarize_records(arms: list[Arm], records: list[dict], *, baselines: list[str], eager_reference: str) -> dict:
+    """Each arm's summary (module doc) from ``records``, one ``{label: {"tokens", "seconds", "verify_forwards"}}``
+    per prompt. Besides the speedups against ``baselines``, ``speedup_vs_reference``: against the arm's own reference,
+    the plain arm of its runtime and precision (an int8 speculative row against int8 plain decoding)."""
     summary = {}
     for arm in arms:
         per_prompt = [r[arm.label] for r in records]
@@ -174,35 +195,37 @@ def compare_arms(arms: list[Arm], prompt_ids: list[torch.Tensor], *, max_new_tok
             "tau": sum(len(p["tokens"]) for p in per_prompt) / max(1, sum(p["verify_forwards"] for p in per_prompt)),
             "lossless_prompts": "reference" if arm.reference == arm.label else
             f"{sum(_same_tokens(r[arm.label]['tokens'], r[arm.reference]['tokens']) for r in records)}/{len(records)}",
-            "agrees_with_eager_prompts": f"{sum(_same_tokens(r[arm.label]['tokens'], r[eager_reference or labels[0]]['tokens']) for r in records)}/{len(records)}",
+            "agrees_with_eager_prompts": f"{sum(_same_tokens(r[arm.label]['tokens'], r[eager_reference]['tokens']) for r in records)}/{len(records)}",
             "new_tokens": sum(len(p["tokens"]) for p in per_prompt),
+            "reference": arm.reference,
         }
         for baseline in baselines:
-            pairs = [(r[baseline]["seconds"], max(1, len(r[baseline]["tokens"])), r[arm.label]["seconds"],
-                      max(1, len(r[arm.label]["tokens"]))) for r in records]
-
-            def ratio(sample):  # throughput of the arm over the baseline's, over the sampled prompts
-                return (sum(n for _, _, _, n in sample) / sum(t for _, _, t, _ in sample)) / (
-                    sum(n for _, n, _, _ in sample) / sum(t for t, _, _, _ in sample))
-
-            entry[f"speedup_vs_{baseline}"] = ratio(pairs)
-            entry[f"speedup_vs_{baseline}_ci95"] = _bootstrap(pairs, ratio)
+            entry[f"speedup_vs_{baseline}"], entry[f"speedup_vs_{baseline}_ci95"] = _throughput_ratio(
+                records, arm.label, baseline)
+        entry["speedup_vs_reference"], entry["speedup_vs_reference_ci95"] = _throughput_ratio(records, arm.label,
+                                                                                            arm.reference)
         summary[arm.label] = entry
-    return {"arms": summary, "records": [{label: {k: v for k, v in cell.items() if k != "tokens"}
-                                          for label, cell in row.items()} for row in records]}
+    return summary
 
 
 def format_arms(summary: dict, baselines: list[str]) -> list[str]:
-    """Markdown rows: label, ms/token [CI], tau, speedups [CI], lossless."""
-    head = ["arm", "ms/token [95% CI]", "tau"] + [f"speedup vs {b} [95% CI]" for b in baselines] + ["lossless",
-                                                                                                     "= eager"]
+    """Markdown rows: label, ms/token [CI], tau, speedups [CI] (against ``baselines``, then against the arm's own plain
+    reference where summaries have it), lossless."""
+    own = any("speedup_vs_reference" in entry for entry in summary.values())
+    head = (["arm", "ms/token [95% CI]", "tau"] + [f"speedup vs {b} [95% CI]" for b in baselines] +
+            (["speedup vs own plain [95% CI]"] if own else []) + ["lossless", "= eager"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, entry in summary.items():
         lo, hi = entry["ms_per_token_ci95"]
         cells = [label, f"{entry['ms_per_token_median']:.1f} [{lo:.1f}, {hi:.1f}]", f"{entry['tau']:.2f}"]
-        for baseline in baselines:
-            lo, hi = entry[f"speedup_vs_{baseline}_ci95"]
-            cells.append(f"{entry[f'speedup_vs_{baseline}']:.2f}x [{lo:.2f}, {hi:.2f}]")
+        for key in [f"speedup_vs_{b}" for b in baselines] + (["speedup_vs_reference"] if own else []):
+            if key == "speedup_vs_reference" and entry.get("reference", label) == label:
+                cells.append("plain")  # a plain arm is its own reference
+            elif key in entry:
+                lo, hi = entry[f"{key}_ci95"]
+                cells.append(f"{entry[key]:.2f}x [{lo:.2f}, {hi:.2f}]")
+            else:
+                cells.append("")
         cells += [entry["lossless_prompts"], entry["agrees_with_eager_prompts"]]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
