@@ -56,6 +56,13 @@ HF_MAX_CACHE_LEN = 576  # not 512: transformers' compiled call and ours share dy
 CALIBRATION_PROMPTS = 16
 
 
+def run_settings(args) -> dict:
+    """The settings a thread count's results are for: a rerun with the same ones skips it (``main``)."""
+    return {"mtbench": args.mtbench, "code": args.code, "max_new_tokens": args.max_new_tokens,
+            "max_window": args.max_window, "drafter": str(args.drafter), "precisions": sorted(args.precisions),
+            "skip_hf_compiled": args.skip_hf_compiled, "skip_llama_cpp": args.skip_llama_cpp}
+
+
 def run_state_dir(args, threads: int) -> Path:
     """Where one thread count's unfinished run keeps its rules and finished prompts: keyed by everything that changes
     the arms or the prompts (the settings, the drafter's files, torch's version), so a changed run starts over."""
@@ -67,8 +74,7 @@ def run_state_dir(args, threads: int) -> Path:
 
     drafter = Path(args.drafter)
     files = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in drafter.iterdir() if f.is_file())
-    key = json.dumps([args.mtbench, args.code, args.max_new_tokens, args.max_window, str(drafter.resolve()), files,
-                      sorted(args.precisions), args.skip_hf_compiled, args.skip_llama_cpp, torch.__version__])
+    key = json.dumps([run_settings(args), str(drafter.resolve()), files, torch.__version__], sort_keys=True)
     return cache_root() / "bench" / "compiled_serving" / f"threads{threads}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
@@ -366,9 +372,7 @@ def main() -> int:
     # --force reruns the thread counts asked for and keeps the others' results.
     results = json.loads(args.out.read_text()) if args.out.is_file() else {"runs": {}, "meta": {}}
     results["command"] = "python benchmarks/compiled_serving.py " + " ".join(sys.argv[1:])
-    settings = {"mtbench": args.mtbench, "code": args.code, "max_new_tokens": args.max_new_tokens,
-                "max_window": args.max_window, "drafter": str(args.drafter), "precisions": sorted(args.precisions),
-                "skip_hf_compiled": args.skip_hf_compiled, "skip_llama_cpp": args.skip_llama_cpp}
+    settings = run_settings(args)
     for threads in args.threads:
         key = f"threads{threads}"
         unfinished = run_state_dir(args, threads).is_dir()  # a run of these settings that was stopped: go on with it
