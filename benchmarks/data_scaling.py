@@ -7,13 +7,17 @@ the same number of epochs, then evaluates it (main process):
 
 - exact greedy tau (ratio of sums, 95% bootstrap interval over prompts) on the 80 MT-bench prompts and on
   held-out ShareGPT test prompts, at fixed K = 4 and at the rule calibrated for serving;
-- the serving calibration on the drafter as saved (``calibrate_for_serving``: this machine's cost model, K = 0
-  allowed): its predicted speedup, and the measured speedup of our loop at the best speculative rule against the
-  target alone on ``--timed-prompts`` MT-bench prompts (interleaved, median ratio);
+- the serving calibration on the drafter as saved, on the runtime that serves (``--runtime``, default
+  ``compiled``: ``serving_runtime``, its packages cached on disk; ``calibrate_for_serving``: this machine's cost
+  model on that runtime, K = 0 allowed): the served rule and the best speculative rule with their predicted speedups,
+  and both measured side by side with plain decoding on the same runtime (``ppow_trl.bench.served.compare_arms``:
+  ratio of total times with a 95% bootstrap interval, lossless prompts) on the ``--timed-prompts`` first MT-bench
+  prompts that fit the static cache;
 - wall-clock of the point (KD and evaluation) and the pool's regeneration time.
 
-Results go to ``benchmarks/results/data_scaling.json`` after every point (a rerun skips finished points) and a plot
-to ``data_scaling.png``. fp32, one torch thread per process.
+Results go to ``benchmarks/results/data_scaling.json`` after every point (a rerun skips finished points; a file of
+other settings is refused) and a plot to ``data_scaling.png``. The regenerated responses and top-k labels are cached
+under ``cache_root()`` and resume where a killed run stopped. fp32, one torch thread per process.
 
     accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml benchmarks/data_scaling.py
     python benchmarks/data_scaling.py --pool 24 --points 600 1200 --epochs 1 --mtbench 3 --sharegpt 3 \\
@@ -25,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,12 +50,17 @@ from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.models import build_draft_vocab, load_target, make_drafter
 from ppow_trl.offline import smollm2_path
 from ppow_trl.serving.rule import calibrate_for_serving
+from ppow_trl.serving.runtime import RUNTIMES, serving_runtime
 from ppow_trl.study.evaluate import greedy_records, summarize
 from ppow_trl.utils import cache_root, set_cpu_threads
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 FIXED = AdaptiveWindowPolicy(4, 0.0)
 DEFAULT_POINTS = (25_000, 50_000, 100_000, 150_000, 200_000)
+SETTINGS = ("pool_prompts", "max_new_tokens", "epochs", "runtime", "max_window", "mtbench_prompts",
+            "sharegpt_prompts", "timed_prompts")
+"""What a point's figures depend on besides its token count: a results file holding points of other settings is
+refused rather than mixed."""
 
 
 def prefix_for_tokens(lengths: list[int], tokens: int) -> int:
@@ -65,26 +73,35 @@ def prefix_for_tokens(lengths: list[int], tokens: int) -> int:
     return len(lengths)
 
 
-def measured_speedup(target, drafter, tokenizer, prompts, policy, eos, max_new_tokens: int) -> dict:
-    """Our loop at ``policy`` against ``target.generate`` alone, prompt by prompt back to back: the median of the
-    per-prompt tokens/s ratios (greedy, ``max_new_tokens`` tokens)."""
-    from ppow_trl.data import encode_prompt
+def measured_speedups(serving, policies: dict, prompt_ids: list, stop_ids, vocab_size: int,
+                      max_new_tokens: int) -> dict:
+    """Each of ``policies`` (``{label: AdaptiveWindowPolicy}``, K > 0) against plain decoding on the same ``serving``
+    runtime, side by side on ``prompt_ids`` (``compare_arms``, greedy): ``{label: {"speedup", "ci95", "tau",
+    "lossless_prompts", "ms_per_token_median"}}``, plus the plain arm's ms/token under ``"plain"``."""
+    from ppow_trl.bench.served import compare_arms, loop_arm
 
-    ratios, taus = [], []
-    for row in prompts:
-        ids = torch.tensor([encode_prompt(tokenizer, row["messages"])])
-        start = time.perf_counter()
-        plain = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0])
-        plain_seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        out = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=max_new_tokens,
-                                   eos_token_id=eos, vocab_size=len(tokenizer))
-        fast_seconds = time.perf_counter() - start
-        plain_tokens = plain.shape[1] - ids.shape[1]
-        ratios.append((len(out.new_tokens) / fast_seconds) / (plain_tokens / plain_seconds))
-        taus.append(out.tau)
-    return {"speedup_median": statistics.median(ratios), "tau_median": statistics.median(taus), "prompts": len(ratios)}
+    plain = f"{serving.name}_plain"
+    arms = [loop_arm(plain, serving.target, serving.drafter, AdaptiveWindowPolicy(max_window=0), stop_ids, vocab_size,
+                     plain)]
+    arms += [loop_arm(label, serving.target, serving.drafter, policy, stop_ids, vocab_size, plain)
+             for label, policy in policies.items()]
+    summary = compare_arms(arms, prompt_ids, max_new_tokens=max_new_tokens, baselines=[plain],
+                           eager_reference=plain, progress=False)["arms"]
+    measured = {label: {"speedup": summary[label][f"speedup_vs_{plain}"],
+                        "ci95": summary[label][f"speedup_vs_{plain}_ci95"], "tau": summary[label]["tau"],
+                        "lossless_prompts": summary[label]["lossless_prompts"],
+                        "ms_per_token_median": summary[label]["ms_per_token_median"]} for label in policies}
+    measured["plain"] = {"ms_per_token_median": summary[plain]["ms_per_token_median"], "prompts": len(prompt_ids)}
+    return measured
+
+
+def command_line(processes: int) -> str:
+    """How this run was launched: ``accelerate launch`` with the 2-process CPU config, or ``python``."""
+    args = " ".join(sys.argv[1:])
+    if processes > 1:
+        return (f"accelerate launch --config_file recipes/accelerate_configs/cpu_{processes}proc.yaml "
+                f"benchmarks/data_scaling.py {args}").strip()
+    return f"python benchmarks/data_scaling.py {args}".strip()
 
 
 def main(argv=None) -> int:
@@ -95,7 +112,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="length of the regenerated responses")
     parser.add_argument("--mtbench", type=int, default=80)
     parser.add_argument("--sharegpt", type=int, default=100, help="held-out ShareGPT test prompts")
-    parser.add_argument("--timed-prompts", type=int, default=8)
+    parser.add_argument("--timed-prompts", type=int, default=12, help="MT-bench prompts timed side by side")
+    parser.add_argument("--timed-new-tokens", type=int, default=128)
+    parser.add_argument("--runtime", choices=RUNTIMES, default="compiled",
+                        help="the serving runtime the cost model, the rule and the timed comparison use")
+    parser.add_argument("--max-window", type=int, default=4, help="K_max of the served rule's calibration")
     parser.add_argument("--batch-size", type=int, default=8, help="KD batch per process")
     parser.add_argument("--out", default="benchmarks/results/data_scaling.json")
     parser.add_argument("--work", default=None, help="drafters of each point (default: the ppow_trl cache)")
@@ -108,6 +129,13 @@ def main(argv=None) -> int:
     out_path = Path(args.out)
     work = Path(args.work) if args.work else cache_root() / "data_scaling"
     results = json.loads(out_path.read_text()) if out_path.is_file() else {"points": {}}
+    settings = {"pool_prompts": args.pool, "max_new_tokens": args.max_new_tokens, "epochs": args.epochs,
+                "runtime": args.runtime, "max_window": args.max_window, "mtbench_prompts": args.mtbench,
+                "sharegpt_prompts": args.sharegpt, "timed_prompts": args.timed_prompts}
+    other = {key: results.get(key) for key in SETTINGS if results.get(key) != settings[key]}
+    if results["points"] and other:
+        parser.error(f"{out_path} holds points of other settings ({other}, against {settings}): pass another --out, "
+                     "or move that file away to start this curve.")
     path = smollm2_path()
     target = load_target(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -128,9 +156,8 @@ def main(argv=None) -> int:
                                           batch_size=8, cache_dir=cache / "responses") for name, prompts in tests.items()}
     data_seconds = time.perf_counter() - start
     lengths = [len(r) for r in pool["response_ids"]]
-    results.update(pool_prompts=args.pool, pool_responses=len(pool), pool_tokens=sum(lengths),
-                   max_new_tokens=args.max_new_tokens, epochs=args.epochs, precision="fp32", threads=threads,
-                   processes=state.num_processes, command="python " + " ".join(sys.argv))
+    results.update(settings, pool_responses=len(pool), pool_tokens=sum(lengths), precision="fp32", threads=threads,
+                   processes=state.num_processes, command=command_line(state.num_processes))
     results.setdefault("data_seconds_first_run", data_seconds)
 
     for tokens in args.points:
@@ -156,9 +183,12 @@ def main(argv=None) -> int:
         if state.is_main_process:
             drafter = trainer.accelerator.unwrap_model(trainer.model).eval()
             contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4, 192)
+            # The drafter as it serves: its packages are built here (new weights), the target's load from disk.
+            serving = serving_runtime(target, drafter, runtime=args.runtime, max_window=args.max_window)
             with torch.no_grad():
-                policy, cost, _ = calibrate_for_serving(target, drafter, contexts, max_window=4,
-                                                        vocab_size=len(tokenizer), pad_id=tokenizer.pad_token_id)
+                policy, cost, _ = calibrate_for_serving(target, drafter, contexts, max_window=args.max_window,
+                                                        vocab_size=len(tokenizer), pad_id=tokenizer.pad_token_id,
+                                                        runtime=serving)
                 alternative = policy.calibration["best_speculative_rule"]
                 speculative = AdaptiveWindowPolicy(alternative["max_window"], alternative["threshold"],
                                                    guard=None)
@@ -168,8 +198,14 @@ def main(argv=None) -> int:
                         label: summarize(greedy_records(target, drafter, data, rule, max_new_tokens=args.max_new_tokens,
                                                         eos_token_ids=eos, vocab_size=len(tokenizer)))
                         for label, rule in (("fixed_k4", FIXED), ("best_speculative", speculative))}
-                timed = measured_speedup(target, drafter, tokenizer, tests["mtbench"].select(
-                    range(min(args.timed_prompts, len(tests["mtbench"])))), speculative, eos, 64)
+                room = getattr(serving.target, "max_cache_len", None)
+                timed_ids = [torch.tensor([ids]) for ids in tests["mtbench"]["prompt_ids"]
+                             if room is None or len(ids) + args.timed_new_tokens + args.max_window + 1 <= room]
+                policies = {"best_speculative": speculative}
+                if policy.max_window:  # K = 0 serves plain decoding: 1x by definition
+                    policies["served"] = policy
+                timed = measured_speedups(serving, policies, timed_ids[:args.timed_prompts], eos, len(tokenizer),
+                                          args.timed_new_tokens)
             results["points"][key] = {
                 "response_tokens": sum(lengths[:count]), "responses": count, "kd_steps": steps,
                 "global_batch": global_batch, "kd_seconds": kd_seconds,
@@ -177,8 +213,14 @@ def main(argv=None) -> int:
                 "served_rule": policy.calibration["serving_rule"],
                 "predicted_speedup_best_speculative": policy.calibration["best_speculative_speedup"],
                 "best_speculative_rule": {"max_window": speculative.max_window, "threshold": speculative.threshold},
-                "measured_speedup_best_speculative": timed,
-                "cost_model": {"drafter_cost": cost.drafter_cost, "verify_cost": cost.verify_cost},
+                "served_policy": {"max_window": policy.max_window, "threshold": policy.threshold},
+                "predicted_speedup_served": policy.calibration["predicted_speedup"],
+                "measured_speedup_best_speculative": timed["best_speculative"],
+                "measured_speedup_served": timed.get("served", {"speedup": 1.0, "tau": 1.0, "note": "K = 0"}),
+                "plain_ms_per_token": timed["plain"],
+                "runtime": serving.describe(),
+                "cost_model": {"runtime": cost.runtime, "drafter_cost": cost.drafter_cost,
+                               "verify_cost": cost.verify_cost},
                 "evaluation": evaluation,
             }
             out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -186,7 +228,10 @@ def main(argv=None) -> int:
             mt = evaluation["mtbench"]["fixed_k4"]
             print(f"[data_scaling] {sum(lengths[:count])} tokens ({count} responses, {steps} KD steps): MT-bench tau "
                   f"K=4 {mt['tau']:.3f} [{mt['tau_ci'][0]:.3f}, {mt['tau_ci'][1]:.3f}]; measured "
-                  f"{timed['speedup_median']:.3f}x at the best speculative rule", flush=True)
+                  f"{timed['best_speculative']['speedup']:.3f}x {serving.name} plain at the best speculative rule "
+                  f"(predicted {policy.calibration['best_speculative_speedup']:.3f}x); served: "
+                  f"{policy.calibration['serving_rule']}", flush=True)
+            del serving  # the drafter's packages: a fresh drafter at the next point
         state.wait_for_everyone()
         results = json.loads(out_path.read_text()) if out_path.is_file() else results
     if state.is_main_process:

@@ -194,6 +194,39 @@ def test_grid_search_chooses_no_speculation_when_nothing_pays():
     assert policy.max_window >= 1  # without the option the best speculative rule is kept
 
 
+def test_a_rule_predicted_within_the_margin_of_1x_serves_plain_decoding():
+    """``min_speedup``: a speculative rule replaces plain decoding only when predicted at least that much; the grid's
+    predictions do not change, and without plain decoding as a candidate the margin does not apply."""
+    confidences = torch.full((50, 3), 0.9)
+    prefix = torch.zeros(50, 3)
+    prefix[:6, 0] = 1.0  # the first token is accepted 12% of the time: a small gain at these costs
+    cost = CostModel(drafter_cost=0.03, verify_cost=[1.0, 1.04, 1.3, 1.5])
+    policy, grid = search_window_grid(confidences, prefix, cost, allow_no_speculation=True)
+    best = max(row["speedup"] for row in grid if row["max_window"])
+    assert policy.max_window == 1 and 1.0 < best < 1.1
+    for least, speculates in ((best - 1e-6, True), (best + 1e-6, False), (1.1, False)):
+        policy, margin_grid = search_window_grid(confidences, prefix, cost, allow_no_speculation=True,
+                                                 min_speedup=least)
+        assert (policy.max_window > 0) == speculates and margin_grid == grid
+    policy, _ = search_window_grid(confidences, prefix, cost, min_speedup=1.1)
+    assert policy.max_window == 1  # no plain candidate: the best rule is served whatever the margin
+    with pytest.raises(ValueError, match="min_speedup"):
+        search_window_grid(confidences, prefix, cost, allow_no_speculation=True, min_speedup=0.9)
+
+
+def test_calibration_with_a_margin_no_rule_meets_says_so(models):
+    from ppow_trl.serving.rule import describe_serving_rule
+
+    target, _, drafter = models
+    contexts = [ids[0] for ids in prompts(4)]
+    cost = CostModel(drafter_cost=0.01, verify_cost=[1.0, 1.0, 1.0, 1.0])
+    policy, report = calibrate_policy(target, drafter, contexts, cost, max_window=3, allow_no_speculation=True,
+                                      min_speedup=50.0)
+    assert policy.max_window == 0 and policy.calibration["min_speedup"] == 50.0
+    assert max(report["mean_speedup"]) > 1.0  # a rule did pay, but not 50x
+    assert "predicted at least 50.00x" in describe_serving_rule(policy, cost)
+
+
 def test_calibration_sets_the_guard_from_the_cost_of_the_chosen_rule(models):
     target, _, drafter = models
     contexts = [ids[0] for ids in prompts(8)]
@@ -211,8 +244,8 @@ def test_calibration_sets_the_guard_from_the_cost_of_the_chosen_rule(models):
 
 def test_calibrate_for_serving_measures_the_served_drafter_and_picks_plain_decoding_when_nothing_pays(models):
     """On the drafter as served: its own cost model, the best speculative rule kept for reference (many (K, h) tie
-    on a random drafter's windows), K = 0 exactly when that rule is predicted at or under 1x."""
-    from ppow_trl.serving.rule import calibrate_for_serving
+    on a random drafter's windows), K = 0 exactly when that rule is predicted under the serving margin."""
+    from ppow_trl.serving.rule import SERVED_MIN_SPEEDUP, calibrate_for_serving
 
     target, random_drafter, close_drafter = models
     contexts = [ids[0] for ids in prompts(8)]
@@ -220,7 +253,8 @@ def test_calibrate_for_serving_measures_the_served_drafter_and_picks_plain_decod
         policy, cost, _ = calibrate_for_serving(target, drafter, contexts, max_window=3, cost_repeats=3)
         assert "served drafter" in cost.description and not drafter.training
         best = policy.calibration["best_speculative_speedup"]
-        assert (policy.max_window == 0) == (best <= 1.0)
+        assert policy.calibration["min_speedup"] == SERVED_MIN_SPEEDUP > 1.0
+        assert (policy.max_window == 0) == (best < SERVED_MIN_SPEEDUP)
         assert policy.calibration["best_speculative_rule"]["max_window"] >= 1
         assert policy.calibration["serving_rule"].startswith("No speculation" if policy.max_window == 0 else "K = ")
         if policy.max_window:

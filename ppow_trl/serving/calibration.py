@@ -22,7 +22,7 @@ import torch
 
 from .cost import CostModel
 from .rollout import verify_windows
-from .windowing import (AdaptiveWindowPolicy, charged_within, expected_accepted_within, policy_speedup,
+from .windowing import (AdaptiveWindowPolicy, charged_within, chosen_rule, expected_accepted_within, policy_speedup,
                         search_window_grid)
 
 REGIMES = ("greedy", "sampling", "both")
@@ -115,6 +115,7 @@ def calibrate_policy(
     batch_size: int = 16,
     seed: int = 0,
     allow_no_speculation: bool = False,
+    min_speedup: float = 1.0,
     guard: dict | None = None,
 ) -> tuple[AdaptiveWindowPolicy, dict]:
     """Choose ``(K <= max_window, h)`` for ``drafter`` on held-out ``contexts`` in the served ``regime``.
@@ -124,7 +125,8 @@ def calibrate_policy(
     rule's window lengths on the contexts (``window_lengths``, first regime).
 
     Serving (the recipe, ``save_assistant`` callers): ``allow_no_speculation=True`` lets the grid choose ``K = 0``
-    when the measured cost model predicts no ``(K, h)`` above 1x; ``guard={"window": W, "probe_every": N}`` attaches
+    when the measured cost model predicts no ``(K, h)`` above 1x, or at least ``min_speedup`` (``chosen_rule``:
+    a margin for the prediction's error); ``guard={"window": W, "probe_every": N}`` attaches
     the online guard (``SpeculationGuard``) with its break-even set to the chosen rule's mean round time on these
     contexts, ``b = mean_n (L_n t_d + t_v(L_n)) / t_t``: a round must yield that many tokens to pay.
     """
@@ -142,11 +144,12 @@ def calibrate_policy(
     }
     grids = {name: search_window_grid(conf, prefix, cost_model, thresholds=thresholds, max_windows=max_windows,
                                            confidence_temperature=confidence_temperature,
-                                           allow_no_speculation=allow_no_speculation, charged=charged)[1]
+                                           allow_no_speculation=allow_no_speculation, charged=charged,
+                                           min_speedup=min_speedup)[1]
              for name, (conf, prefix, charged) in rollouts.items()}
     # The grids list the same (K, h) in the same order; "both" maximises the mean speedup.
     mean = [sum(grids[name][i]["speedup"] for name in regimes) / len(regimes) for i in range(len(grids[regimes[0]]))]
-    best = max(range(len(mean)), key=mean.__getitem__)
+    best = chosen_rule(grids[regimes[0]], mean, min_speedup)
     chosen = grids[regimes[0]][best]
     policy = AdaptiveWindowPolicy(chosen["max_window"], chosen["threshold"], confidence_temperature)
     expected = {}
@@ -165,6 +168,7 @@ def calibrate_policy(
         "num_contexts": len(contexts),
         "max_window_searched": max_window,
         "predicted_speedup": mean[best],
+        "min_speedup": min_speedup,
         "expected_accepted": expected,
         "fixed_window_speedup": {name: float(policy_speedup(fixed, conf, prefix, cost_model, charged))
                                  for name, (conf, prefix, charged) in rollouts.items()},

@@ -217,6 +217,7 @@ def search_window_grid(
     confidence_temperature: float = 1.0,
     allow_no_speculation: bool = False,
     charged: torch.Tensor | None = None,
+    min_speedup: float = 1.0,
 ) -> tuple[AdaptiveWindowPolicy, list[dict]]:
     """The ``(K, h)`` maximising the cost-model speedup on held-out rollouts, and the grid: the search step of the one
     calibration, ``ppow_trl.serving.calibration.calibrate_policy`` (which drafts and verifies those windows and calls it).
@@ -224,7 +225,8 @@ def search_window_grid(
     ``confidences`` (at ``confidence_temperature``) and ``prefix_acceptance`` are ``(N, K_max)`` from windows
     of ``K_max`` tokens drafted on held-out contexts (see ``policy_speedup``; ``charged``: its drafter forwards).
     ``allow_no_speculation``: ``K = 0`` (plain decoding, speedup 1 by definition) is a candidate too, and wins
-    whenever no ``(K, h)`` is predicted above 1x (it comes first, so a tie keeps plain decoding).
+    whenever no ``(K, h)`` is predicted above 1x (it comes first, so a tie keeps plain decoding), or, with
+    ``min_speedup`` > 1, at least ``min_speedup`` (``chosen_rule``).
     """
     max_windows = max_windows or range(1, confidences.shape[1] + 1)
     grid = [{"max_window": 0, "threshold": 0.0, "speedup": 1.0}] if allow_no_speculation else []
@@ -233,8 +235,26 @@ def search_window_grid(
             policy = AdaptiveWindowPolicy(int(max_window), float(threshold), confidence_temperature)
             value = policy_speedup(policy, confidences, prefix_acceptance, cost_model, charged).item()
             grid.append({"max_window": int(max_window), "threshold": float(threshold), "speedup": value})
-    best = max(grid, key=lambda row: row["speedup"])
+    best = grid[chosen_rule(grid, [row["speedup"] for row in grid], min_speedup)]
     return AdaptiveWindowPolicy(best["max_window"], best["threshold"], confidence_temperature), grid
+
+
+def chosen_rule(rows: list[dict], speedups: list[float], min_speedup: float = 1.0) -> int:
+    """The index of the rule to serve among ``rows`` (``{"max_window", "threshold"}``) with predicted ``speedups``:
+    the first of the highest, except that when plain decoding is a candidate (a ``max_window == 0`` row), a
+    speculative rule must be predicted at least ``min_speedup`` to replace it.
+
+    Why a margin: the prediction is a model (held-out contexts, costs timed apart from the loop), and its error on
+    served prompts is a few percent either way (``benchmarks/results/compiled_serving.json``: a rule predicted
+    1.013x served 0.97x its plain decoding). A rule predicted within that error of 1x risks a loss for no
+    expected gain; plain decoding is lossless and never slower than itself."""
+    if min_speedup < 1.0:
+        raise ValueError(f"min_speedup must be >= 1 (1: no margin), got {min_speedup}.")
+    best = max(range(len(rows)), key=speedups.__getitem__)
+    plain = next((i for i, row in enumerate(rows) if row["max_window"] == 0), None)
+    if plain is not None and rows[best]["max_window"] > 0 and speedups[best] < min_speedup:
+        return plain
+    return best
 
 
 # The window rule in a drafter's generation config, for HF's assisted generation (``ppow_trl.serving.assisted``).
