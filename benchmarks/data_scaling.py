@@ -240,7 +240,9 @@ def main(argv=None) -> int:
 
 
 def plot(results: dict, path: Path) -> None:
-    """tau at K = 4 with intervals against regenerated tokens, one line per test set."""
+    """Left: tau at K = 4 with intervals against regenerated tokens, one line per test set. Right (when the points
+    were timed side by side on the serving runtime): the best speculative rule's predicted and measured speedup over
+    plain decoding on that runtime."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,7 +251,9 @@ def plot(results: dict, path: Path) -> None:
     points = sorted(results["points"].values(), key=lambda p: p["response_tokens"])
     if not points:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    timed = [p for p in points if "speedup" in (p.get("measured_speedup_best_speculative") or {})]
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4), squeeze=False)
+    ax = axes[0][0]
     for name in ("mtbench", "sharegpt_test"):
         x = [p["response_tokens"] for p in points]
         y = [p["evaluation"][name]["fixed_k4"]["tau"] for p in points]
@@ -262,6 +266,23 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title("SmolLM2-135M target, 2-layer KD drafter (fp32, CPU)")
     ax.grid(alpha=0.3)
     ax.legend()
+    if timed:
+        ax = axes[0][1]
+        x = [p["response_tokens"] for p in timed]
+        measured = [p["measured_speedup_best_speculative"] for p in timed]
+        y = [m["speedup"] for m in measured]
+        ax.errorbar(x, y, yerr=[[v - m["ci95"][0] for v, m in zip(y, measured)],
+                                [m["ci95"][1] - v for v, m in zip(y, measured)]],
+                    marker="o", capsize=3, label="measured (95% CI)")
+        ax.plot(x, [p["predicted_speedup_best_speculative"] for p in timed], marker="s", linestyle="--",
+                label="predicted by the calibration")
+        ax.axhline(1.0, color="gray", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("regenerated response tokens")
+        ax.set_ylabel("speedup over plain decoding, same runtime")
+        ax.set_title(f"best speculative rule, {results.get('runtime', 'eager')} runtime")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

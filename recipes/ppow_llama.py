@@ -370,7 +370,8 @@ def calibrate_served_rule(trainer, drafter, runtime, calibration_data, training_
             trainer.target, drafter, contexts, max_window=training_args.max_window,
             regime=training_args.calibration_regime, temperature=training_args.temperature,
             confidence_temperature=training_args.confidence_temperature, vocab_size=trainer.vocab_size,
-            pad_id=trainer.processing_class.pad_token_id, seed=training_args.seed, runtime=runtime)
+            pad_id=trainer.processing_class.pad_token_id, seed=training_args.seed, runtime=runtime,
+            min_speedup=training_args.served_min_speedup)
     return policy, cost_model
 
 

@@ -4,9 +4,9 @@
 drafter they are about to ship): it measures the cost model on *this* drafter on *this* machine (``t_d``,
 ``t_v(L)``; the training wrapper's costs are not the served drafter's: a LoRA-wrapped drafter step cost 2x the
 merged one's in the issue that introduced this module), then calibrates ``(K, h)`` with ``K = 0`` allowed (plain
-decoding wins unless a rule is predicted at least ``SERVED_MIN_SPEEDUP``, 1.05x) and attaches the online guard (``SpeculationGuard``) whose
-break-even is the chosen rule's mean round time. ``describe_serving_rule`` says in one sentence what was chosen
-and why, with the machine's ``t_v(L)/t_t``; the model card and the benchmarks print it.
+decoding wins unless a rule is predicted at least ``SERVED_MIN_SPEEDUP``, 1.05x) and attaches the online guard
+(``SpeculationGuard``) whose break-even is the chosen rule's mean round time. ``describe_serving_rule`` says in one
+sentence what was chosen and why, with the machine's ``t_v(L)/t_t``; the model card and the benchmarks print it.
 """
 
 from __future__ import annotations
@@ -17,18 +17,11 @@ from ..utils import is_peft_model
 from .calibration import calibrate_policy
 from .cost import CostModel
 from .runtime import ServingRuntime
-from .windowing import AdaptiveWindowPolicy, charged_within
+from .windowing import SERVED_MIN_SPEEDUP, AdaptiveWindowPolicy, charged_within
 
 DEFAULT_GUARD = {"window": 8, "probe_every": 32, "margin": 0.05}
 """The online guard's settings: pause when 8 drafting rounds ran more than 5% under plain speed on average, probe
 every 32 tokens (``SpeculationGuard``)."""
-
-
-SERVED_MIN_SPEEDUP = 1.05
-"""A speculative rule is served only when predicted at least this much faster than plain decoding
-(``windowing.chosen_rule``). The predictions' error on served prompts (``benchmarks/results/compiled_serving.json``,
-1 thread, AMD EPYC) ran from -15% to +8%; the rule predicted closest to 1x (1.013x, int8 target) served 0.97x. 5% keeps
-every rule predicted above 1.05x, and sends such near-ties to plain decoding, which is lossless and never loses."""
 
 
 def _check_servable(drafter) -> None:

@@ -11,6 +11,7 @@ from ..models import QUANTIZATIONS
 from ..serving.rewards import DIVERGENCES
 from ..serving.precision import PRECISIONS
 from ..serving.runtime import RUNTIMES
+from ..serving.windowing import SERVED_MIN_SPEEDUP
 
 
 @dataclass
@@ -49,6 +50,11 @@ class PPOWConfig(GRPOConfig):
             Contexts taken from each held-out response (evenly spaced prefixes).
         calibration_max_contexts (`int`, *optional*, defaults to `256`):
             At most this many held-out contexts.
+        served_min_speedup (`float`, *optional*, defaults to `1.05`):
+            The served rule (after training, on the serving runtime) speculates only when predicted at least this
+            much faster than plain decoding; otherwise it serves K = 0
+            (`ppow_trl.serving.windowing.SERVED_MIN_SPEEDUP`: a margin for the prediction's error). 1.0 serves any
+            rule predicted above 1x.
 
         > Evaluation (`eval_dataset`, `eval_strategy`/`eval_steps`)
 
@@ -146,6 +152,8 @@ class PPOWConfig(GRPOConfig):
     calibration_regime: str = field(default="greedy", metadata={"help": "'greedy', 'sampling' or 'both'."})
     calibration_contexts_per_response: int = field(default=4, metadata={"help": "Contexts per held-out response."})
     calibration_max_contexts: int = field(default=256, metadata={"help": "Most held-out calibration contexts."})
+    served_min_speedup: float = field(default=SERVED_MIN_SPEEDUP, metadata={
+        "help": "Least predicted speedup for the served rule to speculate (else K = 0); 1.0: any rule above 1x."})
     eval_max_new_tokens: int = field(default=64, metadata={"help": "Tokens per held-out prompt for eval_tau."})
     eval_num_prompts: int | None = field(default=None, metadata={"help": "Held-out prompts for eval_tau (all)."})
     shared_context_logprobs: bool = field(default=True, metadata={"help": "Compute each context once in the loss."})
@@ -300,6 +308,9 @@ class PPOWConfig(GRPOConfig):
             errors.append(f"per_token_credit must be 'none', 'replace' or 'add', got {self.per_token_credit!r}.")
         if self.calibration_regime not in ("greedy", "sampling", "both"):
             errors.append(f"calibration_regime must be 'greedy', 'sampling' or 'both', got {self.calibration_regime!r}.")
+        if self.served_min_speedup < 1.0:
+            errors.append(f"served_min_speedup must be >= 1 (1.0: serve any rule predicted above 1x), got "
+                          f"{self.served_min_speedup}.")
         if self.confidence_temperature <= 0:
             errors.append(f"confidence_temperature must be > 0, got {self.confidence_temperature}.")
         if self.calibration_contexts_per_response < 1 or self.calibration_max_contexts < 1 or self.eval_max_new_tokens < 1:
