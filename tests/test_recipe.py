@@ -238,6 +238,7 @@ def test_flags_without_a_config_change_the_offline_default():
     (["--max_grad_norm", "-1"], "max_grad_norm"),
     (["--beta", "-0.1"], "beta"),
     (["--epsilon", "0"], "epsilon"),
+    (["--served_min_speedup", "0.9"], "served_min_speedup"),
 ])
 def test_bad_training_numbers_fail_at_parse_time_naming_the_field(tmp_path, flags, field):
     args = ["--output_dir", str(tmp_path / "out"), "--report_to", "none"] + flags
