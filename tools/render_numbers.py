@@ -1047,6 +1047,12 @@ def data_scaling(results: Path):
     return "Data scaling", lines
 
 
+def _data_seconds(data: dict):
+    """Seconds spent regenerating and labelling: one figure (earlier runs) or one per block built."""
+    seconds = data.get("data_seconds", data.get("data_seconds_first_run"))
+    return sum(seconds.values()) if isinstance(seconds, dict) else seconds
+
+
 def _data_scaling_run(data: dict, name: str) -> list[str]:
     points = sorted(data["points"].values(), key=lambda p: p["response_tokens"])
     runtime = data.get("runtime", "eager")
@@ -1094,7 +1100,7 @@ def _data_scaling_run(data: dict, name: str) -> list[str]:
              + f" Processes: {data.get('processes', '-')}.", "",
              f"Pool: {count(data.get('pool_prompts'))} prompts, {count(data.get('pool_responses'))} responses, "
              f"{count(data.get('pool_tokens'))} response tokens ({data.get('max_new_tokens', '-')} new tokens at most; "
-             f"regeneration and labelling {num(data.get('data_seconds_first_run'), 0)} s on the first run); "
+             f"regeneration and labelling {num(_data_seconds(data), 0)} s on the first run); "
              f"{num(data.get('epochs'), 0)} epochs per point.", ""]
     if side_by_side:
         lines += [f"Measured: our loop against plain decoding on the same runtime, side by side on the first "
