@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 if __name__ == "__main__":
@@ -41,6 +42,7 @@ if __name__ == "__main__":
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 
 import torch
+import transformers
 from accelerate import PartialState
 from datasets import concatenate_datasets
 from transformers import AutoTokenizer
@@ -52,7 +54,7 @@ from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.models import build_draft_vocab, load_target, make_drafter
 from ppow_trl.offline import smollm2_path
 from ppow_trl.serving.rule import calibrate_for_serving
-from ppow_trl.serving.runtime import RUNTIMES, serving_runtime
+from ppow_trl.serving.runtime import DEFAULT_MAX_CACHE_LEN, RUNTIMES, serving_runtime
 from ppow_trl.study.evaluate import greedy_records, summarize
 from ppow_trl.utils import cache_root, set_cpu_threads
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
@@ -63,7 +65,7 @@ BLOCK_PROMPTS = 256
 """Training prompts regenerated and labelled at a time (about 25k response tokens at 128 new tokens)."""
 CALIBRATION_PROMPTS = 48
 SETTINGS = ("pool_prompts", "max_new_tokens", "epochs", "runtime", "max_window", "mtbench_prompts",
-            "sharegpt_prompts", "timed_prompts")
+            "sharegpt_prompts", "timed_prompts", "timed_new_tokens", "batch_size", "processes", "threads")
 """What a point's figures depend on besides its token count: a results file holding points of other settings is
 refused rather than mixed."""
 
@@ -100,12 +102,12 @@ def measured_speedups(serving, policies: dict, prompt_ids: list, stop_ids, vocab
     return measured
 
 
-def responses_of(prompts, target, tokenizer, args):
+def responses_of(prompts, target, tokenizer, args, min_tokens: int = 8):
     """The target's greedy responses to ``prompts`` (cached under ``cache_root()``, split over the processes), those
-    of at least 8 tokens."""
+    of at least ``min_tokens`` tokens (training and calibration skip near-empty answers)."""
     data = build_target_responses(target, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=8,
                                   cache_dir=cache_root() / "responses" / "data_scaling")
-    return data.filter(lambda row: len(row["response_ids"]) >= 8)
+    return data.filter(lambda row: len(row["response_ids"]) >= min_tokens) if min_tokens else data
 
 
 def command_line(processes: int) -> str:
@@ -140,14 +142,19 @@ def main(argv=None) -> int:
             or args.block_prompts < 1):
         parser.error("--pool must be >= 8, --points increasing and positive, --epochs and --block-prompts positive.")
 
-    state = PartialState(cpu=not torch.cuda.is_available())
+    # The main process evaluates each point alone (compiling the drafter, calibrating, timing: about 15 minutes)
+    # while the others wait at a barrier: more than gloo's default 30-minute timeout must not kill the run.
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=3))
     threads = set_cpu_threads()
     out_path = Path(args.out)
     work = Path(args.work) if args.work else cache_root() / "data_scaling"
     results = json.loads(out_path.read_text()) if out_path.is_file() else {"points": {}}
     settings = {"pool_prompts": args.pool, "max_new_tokens": args.max_new_tokens, "epochs": args.epochs,
                 "runtime": args.runtime, "max_window": args.max_window, "mtbench_prompts": args.mtbench,
-                "sharegpt_prompts": args.sharegpt, "timed_prompts": args.timed_prompts}
+                "sharegpt_prompts": args.sharegpt, "timed_prompts": args.timed_prompts,
+                "timed_new_tokens": args.timed_new_tokens, "batch_size": args.batch_size,
+                "processes": state.num_processes, "threads": threads}
+    assert set(settings) == set(SETTINGS)
     other = {key: results.get(key) for key in SETTINGS if results.get(key) != settings[key]}
     if results["points"] and other:
         parser.error(f"{out_path} holds points of other settings ({other}, against {settings}): pass another --out, "
@@ -161,14 +168,25 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     prompts = load_prompts("sharegpt", num_samples=args.pool, seed=0)
     # Calibration contexts: the target's responses to the pool's last prompts, never trained on.
-    num_calibration = min(CALIBRATION_PROMPTS, max(2, args.pool // 10))
-    calibration = responses_of(prompts.select(range(args.pool - num_calibration, args.pool)), target, tokenizer, args)
-    train_prompts = prompts.select(range(args.pool - num_calibration))
+    size = len(prompts)  # --pool or the whole split, if smaller
+    num_calibration = min(CALIBRATION_PROMPTS, max(2, size // 10))
+    calibration = responses_of(prompts.select(range(size - num_calibration, size)), target, tokenizer, args)
+    train_prompts = prompts.select(range(size - num_calibration))
     tests = {"mtbench": load_prompts("mtbench", num_samples=args.mtbench),
              "sharegpt_test": load_prompts("sharegpt-test", num_samples=args.sharegpt, seed=0)}
-    tests = {name: responses_of(rows, target, tokenizer, args) for name, rows in tests.items()}
-    results.update(settings, precision="fp32", threads=threads, processes=state.num_processes,
-                   command=command_line(state.num_processes))
+    # every test prompt is evaluated (no length filter): the sets of earlier runs
+    tests = {name: responses_of(rows, target, tokenizer, args, min_tokens=0) for name, rows in tests.items()}
+    room = DEFAULT_MAX_CACHE_LEN if args.runtime == "compiled" else None
+    timed_ids = [torch.tensor([ids]) for ids in tests["mtbench"]["prompt_ids"]
+                 if room is None or len(ids) + args.timed_new_tokens + args.max_window + 1 <= room][:args.timed_prompts]
+    if not timed_ids:
+        parser.error(f"No MT-bench prompt to time: --timed-prompts {args.timed_prompts}, and none of the first "
+                     f"{args.mtbench} fits the static cache of {room} positions with {args.timed_new_tokens} new tokens.")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.llama_cpp_amx_build import cpu_description
+
+    results.update(settings, precision="fp32", command=command_line(state.num_processes), cpu=cpu_description(),
+                   torch=torch.__version__, transformers=transformers.__version__)
     results.setdefault("data_seconds", {})["calibration_and_tests"] = results.get("data_seconds", {}).get(
         "calibration_and_tests", time.perf_counter() - start)
     # The training pool is regenerated block by block, as the points need it (each block cached on its own), so
@@ -195,6 +213,14 @@ def main(argv=None) -> int:
         topk = labelled_prefix(tokens)
         lengths = [len(r) for r in topk["response_ids"]]
         results.update(pool_responses=len(lengths), pool_tokens=sum(lengths), pool_blocks=len(blocks))
+        if sum(lengths) < tokens:  # the pool ran out: this point and the larger ones would train on the same data
+            print(f"[data_scaling] The pool of {size} prompts holds {sum(lengths)} response tokens, fewer than the "
+                  f"{tokens} of this point: stopping here (a larger --pool reaches it).", flush=True)
+            results["pool_exhausted_at"] = tokens
+            if state.is_main_process:
+                out_path.parent.mkdir(parents=True, exist_ok=True)
+                out_path.write_text(json.dumps(results, indent=1))
+            break
         count = prefix_for_tokens(lengths, tokens)
         subset = topk.select(range(count))
         global_batch = args.batch_size * state.num_processes
@@ -216,6 +242,8 @@ def main(argv=None) -> int:
             contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4, 192)
             # The drafter as it serves: its packages are built here (new weights), the target's load from disk.
             serving = serving_runtime(target, drafter, runtime=args.runtime, max_window=args.max_window)
+            if serving.name != args.runtime:  # a fallback would mix runtimes in one curve
+                raise SystemExit(f"--runtime {args.runtime} was asked, but it serves {serving.describe()}.")
             with torch.no_grad():
                 policy, cost, _ = calibrate_for_serving(target, drafter, contexts, max_window=args.max_window,
                                                         vocab_size=len(tokenizer), pad_id=tokenizer.pad_token_id,
@@ -229,14 +257,10 @@ def main(argv=None) -> int:
                         label: summarize(greedy_records(target, drafter, data, rule, max_new_tokens=args.max_new_tokens,
                                                         eos_token_ids=eos, vocab_size=len(tokenizer)))
                         for label, rule in (("fixed_k4", FIXED), ("best_speculative", speculative))}
-                room = getattr(serving.target, "max_cache_len", None)
-                timed_ids = [torch.tensor([ids]) for ids in tests["mtbench"]["prompt_ids"]
-                             if room is None or len(ids) + args.timed_new_tokens + args.max_window + 1 <= room]
                 policies = {"best_speculative": speculative}
                 if policy.max_window:  # K = 0 serves plain decoding: 1x by definition
                     policies["served"] = policy
-                timed = measured_speedups(serving, policies, timed_ids[:args.timed_prompts], eos, len(tokenizer),
-                                          args.timed_new_tokens)
+                timed = measured_speedups(serving, policies, timed_ids, eos, len(tokenizer), args.timed_new_tokens)
             results["points"][key] = {
                 "response_tokens": sum(lengths[:count]), "responses": count, "kd_steps": steps,
                 "global_batch": global_batch, "kd_seconds": kd_seconds,
@@ -247,7 +271,7 @@ def main(argv=None) -> int:
                 "served_policy": {"max_window": policy.max_window, "threshold": policy.threshold},
                 "predicted_speedup_served": policy.calibration["predicted_speedup"],
                 "measured_speedup_best_speculative": timed["best_speculative"],
-                "measured_speedup_served": timed.get("served", {"speedup": 1.0, "tau": 1.0, "note": "K = 0"}),
+                "measured_speedup_served": timed.get("served"),  # None: K = 0 serves plain decoding, not timed
                 "plain_ms_per_token": timed["plain"],
                 "runtime": serving.describe(),
                 "cost_model": {"runtime": cost.runtime, "drafter_cost": cost.drafter_cost,

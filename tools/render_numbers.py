@@ -1076,7 +1076,8 @@ def _data_scaling_run(data: dict, name: str) -> list[str]:
                     f"{num(p.get('predicted_speedup_best_speculative'), 3, 'x')} / "
                     f"{with_ci(measured['speedup'], measured.get('ci95'), 3, 'x')}, lossless "
                     f"{measured.get('lossless_prompts', '-')}",
-                    f"K = {served.get('max_window', '-')}, h = {num(served.get('threshold'))}: "
+                    "K = 0: plain decoding (not timed)" if not served.get("max_window") else
+                    f"K = {served['max_window']}, h = {num(served.get('threshold'))}: "
                     f"{num(p.get('predicted_speedup_served'), 3, 'x')} / "
                     f"{with_ci(served_measured.get('speedup'), served_measured.get('ci95'), 3, 'x')}"]
         else:  # the earlier format: median per-prompt ratio against transformers' generate
@@ -1096,7 +1097,8 @@ def _data_scaling_run(data: dict, name: str) -> list[str]:
     title = (f"### On the {runtime} runtime's costs (`{name}`)" if side_by_side
              else f"### Earlier reduced run, eager costs (`{name}`)")
     lines = [title, "", *command_block(data.get("command")),
-             machine_text(precision=data.get("precision"), threads=data.get("threads"))
+             machine_text(cpu=data.get("cpu"), precision=data.get("precision"), threads=data.get("threads"),
+                          torch=data.get("torch"), transformers=data.get("transformers"))
              + f" Processes: {data.get('processes', '-')}.", "",
              f"Pool: {count(data.get('pool_prompts'))} prompts, {count(data.get('pool_responses'))} responses, "
              f"{count(data.get('pool_tokens'))} response tokens ({data.get('max_new_tokens', '-')} new tokens at most; "
