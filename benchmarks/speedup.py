@@ -7,7 +7,7 @@ here trains or tunes on), `ppow_trl.bench.run_benchmark` times, interleaved prom
 - `target`: `target.generate` alone (the baseline of every ratio);
 - `fast_plain`: our loop with K = 0, against `generate` (what a drafter served with K = 0 runs);
 - `fast_adaptive[served]` and `hook[served]`: the drafter at the rule saved with it (`calibrate_for_serving`: K = 0
-  when the measured costs predict no gain, else (K, h) with the online guard), our loop and HF's assisted loop;
+  when the measured costs predict no gain of at least 5%, else (K, h) with the online guard), our loop and HF's assisted loop;
 - `fast_adaptive[speculative]` / `[speculative_unguarded]`: the best rule that speculates, with and without the
   guard (`calibration.best_speculative_rule`): what the guard buys where speculation does not pay.
 

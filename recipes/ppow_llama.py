@@ -315,7 +315,7 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     # model stays untouched so that push_to_hub saves the adapter.
     standalone = copy.deepcopy(unwrapped).merge_and_unload() if hasattr(unwrapped, "merge_and_unload") else unwrapped
     # The served rule is decided on the drafter as served (merged, eval mode), on this machine's measured costs:
-    # K = 0 when nothing pays, else (K, h) with the online guard. Every save below carries it.
+    # K = 0 unless a rule is predicted to pay by served_min_speedup, else (K, h) with the online guard. Every save below carries it.
     serving = serve_for_the_drafter_as_saved(trainer, standalone, calibration_data, training_args)
     hybrid = (serve_with_lookup(trainer, standalone, serving, calibration_data, training_args)
               if script_args.serve_with_lookup and serving is not None else None)

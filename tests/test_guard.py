@@ -210,8 +210,9 @@ def test_a_rule_predicted_within_the_margin_of_1x_serves_plain_decoding():
         assert (policy.max_window > 0) == speculates and margin_grid == grid
     policy, _ = search_window_grid(confidences, prefix, cost, min_speedup=1.1)
     assert policy.max_window == 1  # no plain candidate: the best rule is served whatever the margin
-    with pytest.raises(ValueError, match="min_speedup"):
-        search_window_grid(confidences, prefix, cost, allow_no_speculation=True, min_speedup=0.9)
+    for bad in (0.9, float("nan")):
+        with pytest.raises(ValueError, match="min_speedup"):
+            search_window_grid(confidences, prefix, cost, allow_no_speculation=True, min_speedup=bad)
 
 
 def test_calibration_with_a_margin_no_rule_meets_says_so(models):
@@ -224,7 +225,10 @@ def test_calibration_with_a_margin_no_rule_meets_says_so(models):
                                       min_speedup=50.0)
     assert policy.max_window == 0 and policy.calibration["min_speedup"] == 50.0
     assert max(report["mean_speedup"]) > 1.0  # a rule did pay, but not 50x
-    assert "predicted at least 50.00x" in describe_serving_rule(policy, cost)
+    assert "predicted at least 50x" in describe_serving_rule(policy, cost)
+    policy, _ = calibrate_policy(target, drafter, contexts, CostModel(drafter_cost=5.0, verify_cost=[1.0, 9, 9, 9]),
+                                 max_window=3, allow_no_speculation=True)  # no margin: nothing above 1x either
+    assert policy.max_window == 0 and "predicted above 1x" in describe_serving_rule(policy, cost)
 
 
 def test_calibration_sets_the_guard_from_the_cost_of_the_chosen_rule(models):

@@ -55,6 +55,7 @@ def test_main_job_saves_a_drafter_and_its_served_rule(main_job):
     assert (merged / "ppow_window_policy.json").is_file() and (merged / "model.safetensors").is_file()
     policy = json.loads((merged / "ppow_window_policy.json").read_text())
     assert "serving_rule" in policy["calibration"]
+    assert policy["calibration"]["min_speedup"] == 1.02  # the smoke YAML's served_min_speedup reached the rule
     assert "served rule:" in stdout and "lossless 1/1" in stdout
     served = json.loads((out / "ppow_served_evaluation.json").read_text())  # side by side on the serving runtime
     assert served["runtime"] == "eager" and served["arms"]["eager_speculative[served rule]"]["lossless_prompts"] == "1/1"

@@ -52,7 +52,7 @@ def calibrate_for_serving(
     The cost model is timed on top of a KV cache of the median-length held-out context (what is served looks like
     it; a random 128-token context underestimates ``t_v`` on long chats), in the drafter's and target's current
     dtype and device, with the drafter in eval mode. ``guard=None`` serves without the online guard. ``min_speedup``:
-the least predicted speedup a speculative rule needs to be served (``SERVED_MIN_SPEEDUP``; 1.0: any rule above 1x).
+    the least predicted speedup a speculative rule needs to be served (``SERVED_MIN_SPEEDUP``; 1.0: any rule above 1x).
 
     ``runtime``: the ``ppow_trl.serving.runtime.ServingRuntime`` that will serve (its models are timed, and the cost model
     names it); ``None`` times ``target`` and ``drafter`` as they are (eager). Acceptance statistics come from the
@@ -107,7 +107,7 @@ def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | 
         best = calibration.get("best_speculative_speedup")
         least = calibration.get("min_speedup", 1.0)
         return ("No speculation (K = 0, plain decoding): no window rule was predicted "
-                + ("above 1x" if least <= 1.0 else f"at least {least:.2f}x") + " on this machine"
+                + ("above 1x" if least <= 1.0 else f"at least {least:g}x") + " on this machine"
                 + (f" (best {best:.3f}x)" if best is not None else "") + f"; {costs}.")
     guard = policy.new_guard()
     guard_text = "no online guard" if guard is None else (

@@ -308,7 +308,7 @@ class PPOWConfig(GRPOConfig):
             errors.append(f"per_token_credit must be 'none', 'replace' or 'add', got {self.per_token_credit!r}.")
         if self.calibration_regime not in ("greedy", "sampling", "both"):
             errors.append(f"calibration_regime must be 'greedy', 'sampling' or 'both', got {self.calibration_regime!r}.")
-        if self.served_min_speedup < 1.0:
+        if not self.served_min_speedup >= 1.0:  # NaN too
             errors.append(f"served_min_speedup must be >= 1 (1.0: serve any rule predicted above 1x), got "
                           f"{self.served_min_speedup}.")
         if self.confidence_temperature <= 0:
