@@ -58,9 +58,12 @@ CALIBRATION_PROMPTS = 16
 
 def run_settings(args) -> dict:
     """The settings a thread count's results are for: a rerun with the same ones skips it (``main``)."""
+    from ppow_trl.serving.windowing import SERVED_MIN_SPEEDUP  # the rules' margin: another one, other rules
+
     return {"mtbench": args.mtbench, "code": args.code, "max_new_tokens": args.max_new_tokens,
             "max_window": args.max_window, "drafter": str(args.drafter), "precisions": sorted(args.precisions),
-            "skip_hf_compiled": args.skip_hf_compiled, "skip_llama_cpp": args.skip_llama_cpp}
+            "skip_hf_compiled": args.skip_hf_compiled, "skip_llama_cpp": args.skip_llama_cpp,
+            "served_min_speedup": SERVED_MIN_SPEEDUP}
 
 
 def run_state_dir(args, threads: int) -> Path:
