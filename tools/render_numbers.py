@@ -401,6 +401,13 @@ def _compiled_serving_runs(data: dict, threads_key: str, run_names: list[str]) -
     if rules:
         lines += ["Served rules (`calibrate_for_serving` on the compiled runtime's costs):", "",
                   *[f"- {name}: {rule}" for name, rule in rules.items()], ""]
+        margin = (meta.get("settings") or {}).get("served_min_speedup")
+        near = [name for name, rule in rules.items()
+                if (found := re.search(r"predicted ([0-9.]+)x", rule)) and float(found.group(1)) < 1.05
+                and not rule.startswith("No speculation")]
+        if margin is None and near:  # calibrated before the serving margin (SERVED_MIN_SPEEDUP) existed
+            lines += [f"These rules were calibrated before the serving margin (a rule must be predicted at least "
+                      f"1.05x): with it, {', '.join(near)} would serve K = 0, plain decoding.", ""]
     return lines
 
 
