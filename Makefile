@@ -57,9 +57,11 @@ test-random:
 
 # Regenerate the constraints file from setup.cfg's ranges and requirements/cpu-py311.in (uv, newest versions
 # allowed; torch from this machine's disk). Run `make deps-latest` first: adopt new versions only once they pass.
+# --python-version 3.11.2: the oldest Python 3.11 seen on these machines (Debian 12's /usr/bin/python3.11). With
+# "3.11", uv pinned pymdown-extensions 13.1.2, which requires Python >= 3.11.5, and `make setup` failed there.
 lock:
 	$(PIP) install -q uv==0.13.9
-	$(PYTHON) -m uv pip compile requirements/cpu-py311.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	$(PYTHON) -m uv pip compile requirements/cpu-py311.in --python-version 3.11.2 --python-platform x86_64-manylinux_2_28 \
 		$(if $(wildcard /opt/wheels),--find-links /opt/wheels) --no-emit-package ppow-trl --quiet -o $(CONSTRAINTS)
 	sed -i 's/^torch==\([0-9.]*\)+cpu/torch==\1/' $(CONSTRAINTS)
 
