@@ -1107,7 +1107,9 @@ def _data_scaling_run(data: dict, name: str) -> list[str]:
              machine_text(cpu=data.get("cpu"), precision=data.get("precision"), threads=data.get("threads"),
                           torch=data.get("torch"), transformers=data.get("transformers"))
              + f" Processes: {data.get('processes', '-')}.", "",
-             f"Pool: {count(data.get('pool_prompts'))} prompts, {count(data.get('pool_responses'))} responses, "
+             f"Pool: {count(data.get('pool_prompts'))} prompts"
+             + (f" asked, regenerated so far in {data['pool_blocks']} blocks: " if data.get("pool_blocks") else ", ")
+             + f"{count(data.get('pool_responses'))} responses, "
              f"{count(data.get('pool_tokens'))} response tokens ({data.get('max_new_tokens', '-')} new tokens at most; "
              f"regeneration and labelling {num(_data_seconds(data), 0)} s on the first run); "
              f"{num(data.get('epochs'), 0)} epochs per point.", ""]
