@@ -1126,6 +1126,26 @@ def _data_scaling_run(data: dict, name: str) -> list[str]:
         slope = ((last["evaluation"]["mtbench"][fixed_key]["tau"] - first["evaluation"]["mtbench"][fixed_key]["tau"])
                  / math.log2(last["response_tokens"] / first["response_tokens"]))
         lines += [f"MT-bench tau per doubling of the data, first to last point: {slope:+.3f}.", ""]
+    if side_by_side:
+        paying = next((p for p in points if ((p.get("measured_speedup_best_speculative") or {}).get("ci95")
+                                              or [0, 0])[0] > 1.0), None)
+        lines += ["Reading: " + (
+            f"the first point whose best speculative rule measured faster than plain decoding over its whole 95% "
+            f"interval is {count(paying['response_tokens'])} tokens "
+            f"({with_ci(paying['measured_speedup_best_speculative']['speedup'],
+                        paying['measured_speedup_best_speculative']['ci95'], 3, 'x')})."
+            if paying else "no point's best speculative rule measured faster than plain decoding over its whole 95% "
+                           "interval yet.")]
+        guarded = [p for p in points if (p.get("served_policy") or {}).get("max_window")
+                   and p["served_policy"] == {k: (p.get("best_speculative_rule") or {}).get(k)
+                                              for k in ("max_window", "threshold")}
+                   and (p.get("measured_speedup_served") or {}).get("speedup") is not None]
+        for p in guarded:
+            served, best = p["measured_speedup_served"], p["measured_speedup_best_speculative"]
+            lines[-1] += (f" At {count(p['response_tokens'])} tokens the served rule is the best rule with the online "
+                          f"guard: {served['speedup']:.3f}x (tau {served['tau']:.2f}) against {best['speedup']:.3f}x "
+                          f"(tau {best['tau']:.2f}) without it.")
+        lines.append("")
     if not side_by_side:
         best = max(p.get("predicted_speedup_best_speculative") or 0.0 for p in points)
         lines += [f"Reading: on these eager costs the best rule at any point was predicted {best:.3f}x "
