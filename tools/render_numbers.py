@@ -1129,11 +1129,11 @@ def _data_scaling_run(data: dict, name: str) -> list[str]:
     if side_by_side:
         paying = next((p for p in points if ((p.get("measured_speedup_best_speculative") or {}).get("ci95")
                                               or [0, 0])[0] > 1.0), None)
+        paying_best = (paying or {}).get("measured_speedup_best_speculative") or {}
         lines += ["Reading: " + (
             f"the first point whose best speculative rule measured faster than plain decoding over its whole 95% "
             f"interval is {count(paying['response_tokens'])} tokens "
-            f"({with_ci(paying['measured_speedup_best_speculative']['speedup'],
-                        paying['measured_speedup_best_speculative']['ci95'], 3, 'x')})."
+            f"({with_ci(paying_best['speedup'], paying_best['ci95'], 3, 'x')})."
             if paying else "no point's best speculative rule measured faster than plain decoding over its whole 95% "
                            "interval yet.")]
         guarded = [p for p in points if (p.get("served_policy") or {}).get("max_window")
