@@ -467,7 +467,7 @@ def test_hf_route_applies_the_guard_as_our_loop_does(trained):
     from ppow_trl.drafters.eagle3 import attach_to_target
 
     target, drafter = trained["target"], trained["drafter"]
-    policy = AdaptiveWindowPolicy(3, 0.0, guard={"break_even_tokens": 2.5, "window": 2, "probe_every": 3})
+    policy = AdaptiveWindowPolicy(3, 0.0, guard={"break_even_tokens": 2.5, "loss_budget": 2.0, "probe_every": 3})
     original = copy.deepcopy(drafter.generation_config)
     tap = attach_to_target(drafter, target, policy)
     try:

@@ -169,8 +169,9 @@ def test_speculative_decoding_in_llama_cpp_is_the_targets_text_with_our_rounds(m
 
 def test_the_online_guard_pauses_drafting_in_llama_cpp_as_in_our_loop(models, files, tokenizer):
     target, drafter = models
-    # A break-even above any reachable A + 1: the guard pauses after every 2 drafting rounds and probes again.
-    policy = AdaptiveWindowPolicy(max_window=2, guard={"break_even_tokens": 5.0, "window": 2, "probe_every": 3})
+    # A break-even above any reachable A + 1: each round loses at least 2 steps, so the guard pauses within 4 drafting
+    # rounds, and again after each resumption (for 3 rounds, then 6, ...).
+    policy = AdaptiveWindowPolicy(max_window=2, guard={"break_even_tokens": 5.0, "loss_budget": 6.0, "probe_every": 3})
     draft = LlamaCppDrafter(files[1], policy, kv_cache_type="f32")
     speculative = _f32(files[0], draft_model=draft)
     ids = _ids(tokenizer, PROMPTS[0])
@@ -308,7 +309,7 @@ def test_a_new_prompt_starts_a_new_generation_for_the_guard_and_the_rounds(model
     """llama-cpp-python calls the draft model with no notice of a new request: a call whose ids do not extend the
     last call's starts afresh (the guard's history and the unscored window do not carry over)."""
     target, drafter = models
-    policy = AdaptiveWindowPolicy(max_window=2, guard={"break_even_tokens": 5.0, "window": 2, "probe_every": 3})
+    policy = AdaptiveWindowPolicy(max_window=2, guard={"break_even_tokens": 5.0, "loss_budget": 6.0, "probe_every": 3})
     draft = LlamaCppDrafter(files[1], policy, kv_cache_type="f32")
     speculative = _f32(files[0], draft_model=draft)
     for text in PROMPTS[:2]:  # no reset_stats() between the two requests

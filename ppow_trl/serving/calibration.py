@@ -22,10 +22,34 @@ import torch
 
 from .cost import CostModel
 from .rollout import verify_windows
-from .windowing import (AdaptiveWindowPolicy, charged_within, chosen_rule, expected_accepted_within, policy_speedup,
+from .windowing import (AdaptiveWindowPolicy, accepted_spread_within, charged_within, chosen_rule, expected_accepted_within, policy_speedup,
                         search_window_grid)
 
 REGIMES = ("greedy", "sampling", "both")
+MIN_LOSS_BUDGET = 1.0
+"""The least loss budget of a guard, in target steps: a rule whose rounds never vary (spread 0) still pauses only after
+losing a whole step."""
+
+
+def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_model: CostModel) -> dict:
+    """The online guard of ``policy`` (``SpeculationGuard``'s saved settings) from its rollouts on the calibration
+    contexts, ``rollout = (confidences, prefix_acceptance, charged)``:
+
+    - break-even ``b = mean_n (M_n t_d + t_v(L_n)) / t_t``, the rule's mean round time (a round must yield that many
+      tokens to pay);
+    - loss budget ``H = max(MIN_LOSS_BUDGET, c sigma_A)``, ``c = settings["loss_spreads"]`` standard deviations of the
+      accepted length per round (``accepted_spread_within``): the time speculation may lose before a pause, in units
+      of its own noise, so that a rule that pays is rarely paused by a run of misses;
+    - the other settings (``probe_every``, ``max_pause``) as given.
+    """
+    settings = dict(settings)
+    spreads = float(settings.pop("loss_spreads"))
+    confidences, prefix, charged = rollout
+    lengths = policy.window_lengths(confidences)
+    spread = accepted_spread_within(prefix, lengths)
+    return {**settings,
+            "break_even_tokens": float(cost_model.round_time(lengths, charged_within(charged, lengths)).mean()),
+            "loss_budget": max(MIN_LOSS_BUDGET, spreads * spread)}
 DEFAULT_THRESHOLDS = tuple(i / 20 for i in range(20))
 
 
@@ -126,9 +150,8 @@ def calibrate_policy(
 
     Serving (the recipe, ``save_assistant`` callers): ``allow_no_speculation=True`` lets the grid choose ``K = 0``
     when the measured cost model predicts no ``(K, h)`` above 1x, or at least ``min_speedup`` (``chosen_rule``:
-    a margin for the prediction's error); ``guard={"window": W, "probe_every": N}`` attaches
-    the online guard (``SpeculationGuard``) with its break-even set to the chosen rule's mean round time on these
-    contexts, ``b = mean_n (L_n t_d + t_v(L_n)) / t_t``: a round must yield that many tokens to pay.
+    a margin for the prediction's error); ``guard={"loss_spreads": c, "probe_every": N}`` attaches the online guard
+    (``SpeculationGuard``) of the chosen rule (``guard_for_rule``).
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}.")
@@ -158,8 +181,7 @@ def calibrate_policy(
     confidences, _, charged = rollouts[regimes[0]]
     lengths = policy.window_lengths(confidences)
     if guard is not None and policy.max_window > 0:
-        policy.guard = {**guard, "break_even_tokens": float(cost_model.round_time(
-            lengths, charged_within(charged, lengths)).mean())}
+        policy.guard = guard_for_rule(guard, policy, rollouts[regimes[0]], cost_model)
         policy.new_guard()  # validates the settings
     fixed = AdaptiveWindowPolicy(max_window, 0.0, confidence_temperature)
     policy.calibration = {
@@ -174,5 +196,6 @@ def calibrate_policy(
                                  for name, (conf, prefix, charged) in rollouts.items()},
     }
     report = {"policy": policy, "grid": {name: grids[name] for name in regimes}, "mean_speedup": mean,
-              "window_lengths": lengths.tolist(), "confidences": confidences, "charged": charged}
+              "window_lengths": lengths.tolist(), "confidences": confidences, "charged": charged,
+              "prefix_acceptance": rollouts[regimes[0]][1]}
     return policy, report

@@ -103,9 +103,10 @@ class AdaptiveWindowPolicy:
         calibration (`dict`, *optional*): how ``(K, h)`` were chosen, written by
             ``ppow_trl.serving.calibration.calibrate_policy``: the regime they are for (``"greedy"`` or ``"sampling"``
             and its temperature), the number of held-out contexts, the predicted speedup. ``None``: set by hand.
-        guard (`dict`, *optional*): the online guard of every generation, ``{"break_even_tokens": b, "window": W,
-            "probe_every": N}`` (``SpeculationGuard``): drafting pauses for ``N`` rounds when the last ``W``
-            drafting rounds yielded fewer than ``b`` tokens each on average. ``None``: no guard.
+        guard (`dict`, *optional*): the online guard of every generation, ``{"break_even_tokens": b, "loss_budget": H,
+            "probe_every": N}`` (``SpeculationGuard``): drafting pauses for ``N`` rounds once the rounds, each costing
+            ``b`` steps and yielding ``A + 1`` tokens, have lost more than ``H`` steps against plain decoding since
+            they last broke even. ``None``: no guard.
 
     ``max_window = 0`` means no speculation: every route decodes plainly (the serving calibration chooses it when the
     measured cost model predicts under ``SERVED_MIN_SPEEDUP`` for every ``(K, h)``).
@@ -131,7 +132,7 @@ class AdaptiveWindowPolicy:
 
     def new_guard(self) -> SpeculationGuard | None:
         """A fresh ``SpeculationGuard`` for one generation (``None`` without a guard or without speculation)."""
-        return SpeculationGuard(**self.guard) if self.guard and self.max_window > 0 else None
+        return SpeculationGuard.from_settings(self.guard) if self.guard and self.max_window > 0 else None
 
     def confidence(self, logits: torch.Tensor) -> torch.Tensor:
         """``conf = max_v softmax(z / T_c)``: the drafter's confidence from its logits ``z`` (last dim = vocab)."""
@@ -186,6 +187,18 @@ def expected_accepted_within(prefix_acceptance: torch.Tensor, lengths: torch.Ten
     keep = torch.arange(prefix_acceptance.shape[1], device=prefix_acceptance.device) < lengths.to(
         prefix_acceptance.device).unsqueeze(-1)
     return (prefix_acceptance * keep).sum(dim=-1)
+
+
+def accepted_spread_within(prefix_acceptance: torch.Tensor, lengths: torch.Tensor) -> float:
+    """Standard deviation of the accepted length ``A`` of one round over the rows and their randomness:
+    ``Var A = mean_n E[A_n^2] - (mean_n E[A_n])^2`` with ``E[A^2 | y] = sum_{k<=L} (2k - 1) P(A >= k | y)``
+    (``A^2 = sum_{k<=A} (2k - 1)``; 0/1 terms when greedy, where only the rows differ)."""
+    keep = torch.arange(prefix_acceptance.shape[1], device=prefix_acceptance.device) < lengths.to(
+        prefix_acceptance.device).unsqueeze(-1)
+    odd = 2 * torch.arange(1, prefix_acceptance.shape[1] + 1, device=prefix_acceptance.device) - 1
+    first = (prefix_acceptance * keep).sum(dim=-1).double().mean()
+    second = (prefix_acceptance * keep * odd).sum(dim=-1).double().mean()
+    return float((second - first**2).clamp(min=0.0).sqrt())
 
 
 def charged_within(charged: torch.Tensor | None, window_lengths: torch.Tensor) -> torch.Tensor | None:

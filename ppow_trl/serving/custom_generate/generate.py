@@ -134,43 +134,62 @@ class PPOWWindowCriteria(StoppingCriteria):
         return ~keep.to(input_ids.device)
 
 
-class SpeculationGuard:
-    """The online guard of one generation: pause drafting while speculation does not pay, probe to resume.
+GUARD_LEGACY_KEYS = ("window", "margin")
+"""Settings of the windowed guard that rules saved before the loss-budget guard carry; ignored on load."""
 
-    Speculating pays while a drafting round yields more tokens than it costs: ``mean(A + 1) >= b`` over the last
-    ``window`` drafting rounds, with ``b = break_even_tokens`` the mean round time ``E[L t_d + t_v(L)] / t_t`` of
-    the calibrated rule (measured cost model, held-out contexts; saved with the policy). The guard pauses only on a
-    clear loss: ``mean(A + 1) < (1 - margin) b``, i.e. the window ran under ``1 - margin`` of plain speed. Why a
-    margin: for a proposer that costs nothing to run (prompt lookup) ``b`` is ``t_v(L)/t_t ~ 1``, a missed round
-    yields 1 token for about one step, and without it the pause hung on the noise of ``b`` (measured 0.96 vs 1.05
-    in two calibrations of one lookup rule: 1.37x vs 1.14x, the pauses forfeiting the hits). Below the line,
-    ``probe_every`` rounds decode plainly (``K = 0``: one target forward, one token); then a probe drafts again and
-    its round decides: ``A + 1 >= (1 - margin) b`` resumes, else another pause. Only accepted lengths are read, never
-    window lengths, so exact greedy tau (which knows ``A`` but not the length of rejected windows) replays the guard
-    exactly.
+
+class SpeculationGuard:
+    """The online guard of one generation: pause drafting once speculation has lost a budget of time, probe to resume.
+
+    A drafting round costs ``b = break_even_tokens`` target steps on average: the mean round time ``E[L t_d +
+    t_v(L)] / t_t`` of the calibrated rule (measured cost model, held-out contexts; saved with the policy). It yields
+    ``A + 1`` tokens, so against plain decoding it gains ``A + 1 - b`` steps. The guard keeps the time speculation has
+    lost since it last broke even, a one-sided CUSUM on that gain (Page, 1954):
+
+        ``S_n = max(0, S_{n-1} + b - (A_n + 1))``,  pause when ``S_n > H`` (``loss_budget``, in target steps).
+
+    Why a budget and not a window mean: a rule that pays on average has misses in a row by chance (K = 1 at first-token
+    acceptance 0.19 misses 8 rounds in a row with probability 0.19), and a window mean under ``b`` paused it on that
+    noise; the calibration sets ``H`` from the rule's own spread of ``A`` (``ppow_trl.serving.calibration.guard_for_rule``,
+    5 standard deviations), so a drafter that pays is paused rarely while one whose acceptance collapsed pauses after
+    losing about ``H`` steps. A proposer that costs nothing to run (prompt lookup, ``b ~ 1``) loses little per miss and
+    is paused late, as it should: pausing it would save little and forfeit the next hits.
+
+    While paused, ``pause`` rounds decode plainly (``K = 0``: one target forward, one token); then drafting resumes with
+    half the budget already spent (``S = H / 2``, a fast-initial-response CUSUM): a drafter that still loses pauses
+    again after losing ``H / 2`` more, and the pause doubles (up to ``max_pause``); one that pays brings ``S`` back to
+    0, and the next pause is ``probe_every`` again. Only accepted lengths are read, never window lengths, so exact
+    greedy tau (which knows ``A`` but not the length of rejected windows) replays the guard exactly.
 
     One protocol on every route, fixed by what Hugging Face's assisted loop can know: a route calls ``decide()``
     once at the start of every round (plain ones included), and, when a drafting round starts, ``record(A)`` with
     the accepted length of the previous drafting round (HF's hook learns it only then, from the committed ids).
     An outcome thus weighs from the second decision after its round on; the round that was being drafted when a
-    pause began is not counted, and a probe is followed by a second drafting round (the one that reveals it).
+    pause began is not counted.
     """
 
-    def __init__(self, break_even_tokens: float, window: int = 8, probe_every: int = 32, margin: float = 0.05):
-        if not break_even_tokens > 0 or int(window) < 1 or int(probe_every) < 1 or not 0 <= margin < 1:
+    def __init__(self, break_even_tokens: float, loss_budget: float = 3.0, probe_every: int = 32,
+                 max_pause: int = 512):
+        if (not break_even_tokens > 0 or not loss_budget > 0 or int(probe_every) < 1
+                or int(max_pause) < int(probe_every)):
             raise ValueError(f"Invalid speculation guard: break_even_tokens={break_even_tokens} (need > 0), "
-                             f"window={window} (need >= 1), probe_every={probe_every} (need >= 1), "
-                             f"margin={margin} (need 0 <= margin < 1).")
-        self.break_even_tokens = float(break_even_tokens)
-        self.window, self.probe_every, self.margin = int(window), int(probe_every), float(margin)
-        self.pause_below = (1.0 - self.margin) * self.break_even_tokens  # tokens a drafting round, on average
+                             f"loss_budget={loss_budget} (need > 0), probe_every={probe_every} (need >= 1), "
+                             f"max_pause={max_pause} (need >= probe_every).")
+        self.break_even_tokens, self.loss_budget = float(break_even_tokens), float(loss_budget)
+        self.probe_every, self.max_pause = int(probe_every), int(max_pause)
         self.reset()
 
+    @classmethod
+    def from_settings(cls, settings: dict) -> "SpeculationGuard":
+        """The guard of a saved rule's ``guard`` dict (the windowed guard's ``window`` and ``margin`` are ignored)."""
+        return cls(**{key: value for key, value in settings.items() if key not in GUARD_LEGACY_KEYS})
+
     def reset(self) -> None:
-        """A new generation: speculating, no history."""
-        self.history = []  # A + 1 of the last `window` counted drafting rounds
+        """A new generation: speculating, nothing lost."""
+        self.lost = 0.0  # S: target steps lost against plain decoding since speculation last broke even
         self.paused_left = 0
-        self.probing = False
+        self.pause = self.probe_every  # length of the next pause
+        self.resumed = False  # drafting again after a pause, not yet back at break-even
         self.ignore_next = False
         self.decisions = []  # per round, True = drafted (for inspection and tests)
         self.last_window = None  # HF's routes: (committed length, drafted ids) of the last drafting call
@@ -190,16 +209,10 @@ class SpeculationGuard:
         if self.ignore_next:  # drafted while the pause was being decided: not counted
             self.ignore_next = False
             return
-        tokens = int(accepted) + 1
-        if self.probing:
-            self.probing = False
-            if tokens >= self.pause_below:
-                self.history = [tokens]
-            else:
-                self._pause()
-            return
-        self.history = (self.history + [tokens])[-self.window :]
-        if len(self.history) == self.window and sum(self.history) < self.pause_below * self.window:
+        self.lost = max(0.0, self.lost + self.break_even_tokens - (int(accepted) + 1))
+        if self.lost == 0.0 and self.resumed:  # back at break-even: the resumption held
+            self.resumed, self.pause = False, self.probe_every
+        if self.lost > self.loss_budget:
             self._pause()
 
     def drafting_call(self, committed) -> int | None:
@@ -224,9 +237,11 @@ class SpeculationGuard:
         self.last_window = (int(start), [int(t) for t in tokens])
 
     def _pause(self) -> None:
-        self.history = []
-        self.paused_left = self.probe_every
-        self.probing = True  # the first drafting round after the pause is a probe
+        if self.resumed:  # the last resumption lost again: wait longer before the next
+            self.pause = min(2 * self.pause, self.max_pause)
+        self.paused_left = self.pause
+        self.lost = self.loss_budget / 2  # resume with half the budget spent
+        self.resumed = True
         self.ignore_next = True  # the round being drafted now began before the pause
 
 

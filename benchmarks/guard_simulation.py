@@ -1,0 +1,138 @@
+"""The online guard on simulated rounds: what it keeps of a rule that pays, what it saves on one that stopped paying.
+
+Rounds are drawn, not decoded, so that thousands of generations take seconds and the guard is judged apart from
+timing noise. A rule ``K`` drafts ``K`` tokens every round (``h = 0``); the accepted length follows per-token
+acceptance ``alpha`` (``P(A >= k) = alpha^k``, ``k <= K``). A drafting round costs the rule's break-even
+``b = K t_d + t_v(K)`` target steps, from the compiled-runtime cost model of the data-scaling curve's 100k point
+(AMD EPYC, fp32: ``t_d = 0.148``, ``t_v(1..4) = 0.97 / 1.13 / 1.40 / 1.55``); a plain round costs 1 step and yields
+1 token. A generation runs until 128 tokens, through the real ``SpeculationGuard`` and its protocol
+(``decide()`` each round, ``record(A)`` of the previous drafting round when the next one starts).
+
+For each ``K``: a calibrated ``alpha`` at which the rule pays, and a collapsed ``alpha = 0.02`` (a drafter out of its
+domain) that keeps the calibrated guard (its ``b`` and its loss budget from the paying rule's spread). Arms:
+``unguarded``, ``windowed`` (the guard this replaced: pause 32 rounds when 8 rounds averaged under ``0.95 b``, a
+single probe round decides), and the loss-budget guard at several budgets ``c sigma_A``. Reported: speedup over plain
+decoding (tokens / steps, mean over generations) and the fraction of rounds that drafted.
+
+    python benchmarks/guard_simulation.py     # ~1 min, writes benchmarks/results/guard_simulation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from ppow_trl.serving.custom_generate.generate import SpeculationGuard
+
+DRAFTER_COST = 0.148
+VERIFY_COST = {1: 0.97, 2: 1.13, 3: 1.40, 4: 1.55}
+PAYING_ALPHA = {1: 0.19, 2: 0.45, 3: 0.6, 4: 0.7}
+COLLAPSED_ALPHA = 0.02
+SPREADS = (2.0, 3.0, 5.0, 8.0)
+
+
+class WindowedGuard:
+    """The guard before the loss budget, for comparison: pause ``probe_every`` rounds when the last ``window`` rounds
+    yielded under ``(1 - margin) b`` tokens each on average; the first drafting round after a pause decides alone."""
+
+    def __init__(self, b, window=8, probe_every=32, margin=0.05):
+        self.line, self.window, self.probe_every = (1 - margin) * b, window, probe_every
+        self.history, self.paused_left, self.probing, self.ignore_next = [], 0, False, False
+
+    def decide(self):
+        if self.paused_left > 0:
+            self.paused_left -= 1
+            return False
+        return True
+
+    def record(self, accepted):
+        if self.ignore_next:
+            self.ignore_next = False
+            return
+        tokens = accepted + 1
+        if self.probing:
+            self.probing = False
+            if tokens >= self.line:
+                self.history = [tokens]
+            else:
+                self._pause()
+            return
+        self.history = (self.history + [tokens])[-self.window:]
+        if len(self.history) == self.window and sum(self.history) < self.line * self.window:
+            self._pause()
+
+    def _pause(self):
+        self.history, self.paused_left, self.probing, self.ignore_next = [], self.probe_every, True, True
+
+
+def accepted(rng, alpha, max_window):
+    count = 0
+    while count < max_window and rng.random() < alpha:
+        count += 1
+    return count
+
+
+def spread(alpha, max_window):
+    """Standard deviation of ``A`` when ``P(A >= k) = alpha^k`` (``E[A^2] = sum_k (2k - 1) alpha^k``)."""
+    first = sum(alpha**k for k in range(1, max_window + 1))
+    second = sum((2 * k - 1) * alpha**k for k in range(1, max_window + 1))
+    return (second - first**2) ** 0.5
+
+
+def generation(rng, guard, alpha, max_window, b, new_tokens):
+    """Tokens / target steps of one generation, and the fraction of rounds that drafted."""
+    tokens = steps = rounds = drafting = 0
+    previous = None
+    while tokens < new_tokens:
+        rounds += 1
+        if guard is None or guard.decide():
+            if guard is not None and previous is not None:
+                guard.record(previous)
+            previous = accepted(rng, alpha, max_window)
+            tokens, steps, drafting = tokens + previous + 1, steps + b, drafting + 1
+        else:
+            tokens, steps = tokens + 1, steps + 1
+    return tokens / steps, drafting / rounds
+
+
+def arm(make_guard, alpha, max_window, b, generations, new_tokens, seed):
+    rng = random.Random(seed)
+    speeds, fractions = zip(*(generation(rng, make_guard(), alpha, max_window, b, new_tokens)
+                              for _ in range(generations)))
+    return {"speedup": sum(speeds) / len(speeds), "drafting_fraction": sum(fractions) / len(fractions)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--generations", type=int, default=2000)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "guard_simulation.json")
+    args = parser.parse_args(argv)
+    rules = []
+    for max_window, alpha in PAYING_ALPHA.items():
+        b = max_window * DRAFTER_COST + VERIFY_COST[max_window]
+        sigma = spread(alpha, max_window)
+        row = {"max_window": max_window, "break_even_tokens": b, "spread": sigma, "paying_alpha": alpha,
+               "collapsed_alpha": COLLAPSED_ALPHA, "arms": {}}
+        arms = {"unguarded": lambda: None, "windowed": lambda b=b: WindowedGuard(b)}
+        arms.update({f"loss_budget[{c:g} sigma]": (lambda h=max(1.0, c * sigma), b=b: SpeculationGuard(b, h))
+                     for c in SPREADS})
+        for name, make_guard in arms.items():
+            row["arms"][name] = {case: arm(make_guard, a, max_window, b, args.generations, args.new_tokens, seed)
+                                 for seed, (case, a) in enumerate((("paying", alpha), ("collapsed", COLLAPSED_ALPHA)))}
+        rules.append(row)
+        print(f"K = {max_window}, b = {b:.3f}, sigma_A = {sigma:.2f}: " + "; ".join(
+            f"{name} {r['paying']['speedup']:.3f} / {r['collapsed']['speedup']:.3f}" for name, r in row["arms"].items()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": "python benchmarks/guard_simulation.py", "generations": args.generations,
+        "new_tokens": args.new_tokens, "drafter_cost": DRAFTER_COST, "verify_cost": VERIFY_COST,
+        "note": "simulated rounds; speedup = tokens / target steps over plain decoding, mean over generations; "
+                "each arm: (paying, collapsed) acceptance", "rules": rules}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
