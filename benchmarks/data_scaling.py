@@ -17,7 +17,10 @@ the same number of epochs, then evaluates it (main process):
 - wall-clock of the point (KD and evaluation) and the pool's regeneration time.
 
 Results go to ``benchmarks/results/data_scaling.json`` after every point (a rerun skips finished points; a file of
-other settings is refused) and a plot to ``data_scaling.png``. The regenerated responses and top-k labels are cached
+other settings is refused) and a plot to ``data_scaling.png``. Each point's drafter is saved (``--work``,
+``kd-<tokens>/drafter``) and reloaded by a rerun instead of trained again. A point timed with another online guard
+than the current ``DEFAULT_GUARD`` is evaluated again after the new points (its earlier figures kept under
+``superseded``): the served rule's measurement depends on the guard. The regenerated responses and top-k labels are cached
 under ``cache_root()`` and resume where a killed run stopped. fp32, one torch thread per process.
 
     accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml benchmarks/data_scaling.py
@@ -53,7 +56,8 @@ from ppow_trl.serving.generation import speculative_generate
 from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.models import build_draft_vocab, load_target, make_drafter
 from ppow_trl.offline import smollm2_path
-from ppow_trl.serving.rule import calibrate_for_serving
+from ppow_trl.drafting import load_drafter
+from ppow_trl.serving.rule import DEFAULT_GUARD, calibrate_for_serving
 from ppow_trl.serving.runtime import DEFAULT_MAX_CACHE_LEN, RUNTIMES, serving_runtime
 from ppow_trl.study.evaluate import greedy_records, summarize
 from ppow_trl.utils import cache_root, set_cpu_threads
@@ -206,7 +210,14 @@ def main(argv=None) -> int:
             results["data_seconds"].setdefault(f"block_{len(blocks)}", time.perf_counter() - block_start)
         return concatenate_datasets(blocks)
 
-    for tokens in args.points:
+    # A point timed with another online guard is evaluated again, after the points not run yet.
+    stale = [key for key, point in results["points"].items() if point.get("guard_settings") != DEFAULT_GUARD]
+    for key in stale:
+        print(f"[data_scaling] The {key}-token point was timed with another online guard: evaluating it again "
+              "after the new points (its figures are kept under 'superseded').", flush=True)
+        results.setdefault("superseded", {}).setdefault(key, []).append(results["points"].pop(key))
+    order = ([t for t in args.points if str(t) not in stale] + [t for t in args.points if str(t) in stale])
+    for tokens in order:
         key = str(tokens)
         if key in results["points"]:
             continue
@@ -228,17 +239,30 @@ def main(argv=None) -> int:
         point_start = time.perf_counter()
         draft_vocab = build_draft_vocab(subset["response_ids"], 8192, len(tokenizer),
                                         always_include=tokenizer.all_special_ids)
-        drafter = make_drafter(target, num_layers=2, draft_vocab_ids=draft_vocab).train()
-        kd_args = KDConfig(output_dir=str(work / f"kd-{tokens}"), max_steps=steps,
-                           per_device_train_batch_size=args.batch_size, learning_rate=5e-4, lr_scheduler_type="cosine",
-                           warmup_steps=max(1, steps // 20), logging_steps=max(1, steps // 10), save_strategy="no",
-                           report_to="none", seed=0, use_cpu=not torch.cuda.is_available(), max_length=640)
-        trainer = KDTrainer(model=drafter, args=kd_args, train_dataset=subset, processing_class=tokenizer,
-                            target=target)
-        trainer.train()
-        kd_seconds = time.perf_counter() - point_start
+        saved = work / f"kd-{tokens}" / "drafter"
+        trained_on = {"responses": count, "kd_steps": steps, "global_batch": global_batch, "epochs": args.epochs}
+        reuse = (saved / "trained_on.json").is_file() and json.loads((saved / "trained_on.json").read_text()) == trained_on
+        if reuse:  # every process sees the same folder: none trains
+            kd_seconds = json.loads((saved / "kd_seconds.json").read_text())["kd_seconds"]
+            drafter = load_drafter(saved, target=target).eval() if state.is_main_process else None
+        else:
+            drafter = make_drafter(target, num_layers=2, draft_vocab_ids=draft_vocab).train()
+            kd_args = KDConfig(output_dir=str(work / f"kd-{tokens}"), max_steps=steps,
+                               per_device_train_batch_size=args.batch_size, learning_rate=5e-4,
+                               lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20),
+                               logging_steps=max(1, steps // 10), save_strategy="no", report_to="none", seed=0,
+                               use_cpu=not torch.cuda.is_available(), max_length=640)
+            trainer = KDTrainer(model=drafter, args=kd_args, train_dataset=subset, processing_class=tokenizer,
+                                target=target)
+            trainer.train()
+            kd_seconds = time.perf_counter() - point_start
+            if state.is_main_process:
+                drafter = trainer.accelerator.unwrap_model(trainer.model).eval()
+                drafter.save_pretrained(saved)  # a rerun (another guard, a killed evaluation) reloads it
+                (saved / "kd_seconds.json").write_text(json.dumps({"kd_seconds": kd_seconds}))
+                (saved / "trained_on.json").write_text(json.dumps(trained_on))  # last: the folder is complete
+        eval_start = time.perf_counter()
         if state.is_main_process:
-            drafter = trainer.accelerator.unwrap_model(trainer.model).eval()
             contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4, 192)
             # The drafter as it serves: its packages are built here (new weights), the target's load from disk.
             serving = serving_runtime(target, drafter, runtime=args.runtime, max_window=args.max_window)
@@ -264,7 +288,8 @@ def main(argv=None) -> int:
             results["points"][key] = {
                 "response_tokens": sum(lengths[:count]), "responses": count, "kd_steps": steps,
                 "global_batch": global_batch, "kd_seconds": kd_seconds,
-                "eval_seconds": time.perf_counter() - point_start - kd_seconds,
+                "eval_seconds": time.perf_counter() - eval_start, "drafter_reloaded": reuse,
+                "guard_settings": DEFAULT_GUARD,
                 "served_rule": policy.calibration["serving_rule"],
                 "predicted_speedup_best_speculative": policy.calibration["best_speculative_speedup"],
                 "best_speculative_rule": {"max_window": speculative.max_window, "threshold": speculative.threshold},
