@@ -18,8 +18,8 @@ the same number of epochs, then evaluates it (main process):
 
 Results go to ``benchmarks/results/data_scaling.json`` after every point (a rerun skips finished points; a file of
 other settings is refused) and a plot to ``data_scaling.png``. Each point's drafter is saved (``--work``,
-``kd-<tokens>/drafter``) and reloaded by a rerun instead of trained again. A point timed with another online guard
-than the current ``DEFAULT_GUARD`` is evaluated again after the new points (its earlier figures kept under
+``kd-<tokens>/drafter``) and reloaded by a rerun instead of trained again. A point whose served rule was timed with
+another online guard than the current ``DEFAULT_GUARD`` is evaluated again after the new points (its earlier figures kept under
 ``superseded``): the served rule's measurement depends on the guard. The regenerated responses and top-k labels are cached
 under ``cache_root()`` and resume where a killed run stopped. fp32, one torch thread per process.
 
@@ -210,8 +210,10 @@ def main(argv=None) -> int:
             results["data_seconds"].setdefault(f"block_{len(blocks)}", time.perf_counter() - block_start)
         return concatenate_datasets(blocks)
 
-    # A point timed with another online guard is evaluated again, after the points not run yet.
-    stale = [key for key, point in results["points"].items() if point.get("guard_settings") != DEFAULT_GUARD]
+    # A point whose served rule was timed with another online guard is evaluated again, after the points not run yet
+    # (a point that served K = 0 timed no guard).
+    stale = [key for key, point in results["points"].items()
+             if point["served_policy"]["max_window"] and point.get("guard_settings") != DEFAULT_GUARD]
     for key in stale:
         print(f"[data_scaling] The {key}-token point was timed with another online guard: evaluating it again "
               "after the new points (its figures are kept under 'superseded').", flush=True)
