@@ -215,8 +215,9 @@ def main(argv=None) -> int:
     stale = [key for key, point in results["points"].items()
              if point["served_policy"]["max_window"] and point.get("guard_settings") != DEFAULT_GUARD]
     for key in stale:
-        print(f"[data_scaling] The {key}-token point was timed with another online guard: evaluating it again "
-              "after the new points (its figures are kept under 'superseded').", flush=True)
+        if state.is_main_process:
+            print(f"[data_scaling] The {key}-token point was timed with another online guard: evaluating it again "
+                  "after the new points (its figures are kept under 'superseded').", flush=True)
         results.setdefault("superseded", {}).setdefault(key, []).append(results["points"].pop(key))
     order = ([t for t in args.points if str(t) not in stale] + [t for t in args.points if str(t) in stale])
     for tokens in order:
