@@ -1145,6 +1145,15 @@ def _data_scaling_run(data: dict, name: str) -> list[str]:
             lines[-1] += (f" At {count(p['response_tokens'])} tokens the served rule is the best rule with the online "
                           f"guard: {served['speedup']:.3f}x (tau {served['tau']:.2f}) against {best['speedup']:.3f}x "
                           f"(tau {best['tau']:.2f}) without it.")
+        for key, earlier in sorted((data.get("superseded") or {}).items(), key=lambda item: int(item[0])):
+            now = data["points"].get(key)
+            before = (earlier[-1].get("measured_speedup_served") or {}) if earlier else {}
+            after = (now or {}).get("measured_speedup_served") or {}
+            if before.get("speedup") is not None and after.get("speedup") is not None:
+                lines[-1] += (f" At {count(now['response_tokens'])} tokens an earlier run timed the served rule with "
+                              f"the windowed guard: {with_ci(before['speedup'], before.get('ci95'), 3, 'x')} "
+                              f"(tau {before['tau']:.2f}); with the loss-budget guard it measured "
+                              f"{with_ci(after['speedup'], after.get('ci95'), 3, 'x')} (tau {after['tau']:.2f}).")
         lines.append("")
     if not side_by_side:
         best = max(p.get("predicted_speedup_best_speculative") or 0.0 for p in points)
