@@ -5,7 +5,7 @@ timing noise. A rule ``K`` drafts ``K`` tokens every round (``h = 0``); the acce
 acceptance ``alpha`` (``P(A >= k) = alpha^k``, ``k <= K``). A drafting round costs the rule's break-even
 ``b = K t_d + t_v(K)`` target steps, from the compiled-runtime cost model of the data-scaling curve's 100k point
 (AMD EPYC, fp32: ``t_d = 0.148``, ``t_v(1..4) = 0.97 / 1.13 / 1.40 / 1.55``); a plain round costs 1 step and yields
-1 token. A generation runs until 128 tokens, through the real ``SpeculationGuard`` and its protocol
+1 token. A generation runs until 128 tokens (and 1,024), through the real ``SpeculationGuard`` and its protocol
 (``decide()`` each round, ``record(A)`` of the previous drafting round when the next one starts).
 
 For each ``K``: a calibrated ``alpha`` at which the rule pays, and a collapsed ``alpha = 0.02`` (a drafter out of its
@@ -14,7 +14,7 @@ domain) that keeps the calibrated guard (its ``b`` and its loss budget from the 
 single probe round decides), and the loss-budget guard at several budgets ``c sigma_A``. Reported: speedup over plain
 decoding (tokens / steps, mean over generations) and the fraction of rounds that drafted.
 
-    python benchmarks/guard_simulation.py     # ~1 min, writes benchmarks/results/guard_simulation.json
+    python benchmarks/guard_simulation.py     # ~2 min, writes benchmarks/results/guard_simulation.json
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import json
 import random
 from pathlib import Path
 
+from ppow_trl.serving.calibration import guard_loss_budget
 from ppow_trl.serving.custom_generate.generate import SpeculationGuard
 
 DRAFTER_COST = 0.148
@@ -104,12 +105,8 @@ def arm(make_guard, alpha, max_window, b, generations, new_tokens, seed):
     return {"speedup": sum(speeds) / len(speeds), "drafting_fraction": sum(fractions) / len(fractions)}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--generations", type=int, default=2000)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "guard_simulation.json")
-    args = parser.parse_args(argv)
+def rules_at(new_tokens: int, generations: int) -> list[dict]:
+    """Every rule's arms (paying and collapsed) over generations of ``new_tokens`` tokens."""
     rules = []
     for max_window, alpha in PAYING_ALPHA.items():
         b = max_window * DRAFTER_COST + VERIFY_COST[max_window]
@@ -117,20 +114,31 @@ def main(argv=None):
         row = {"max_window": max_window, "break_even_tokens": b, "spread": sigma, "paying_alpha": alpha,
                "collapsed_alpha": COLLAPSED_ALPHA, "arms": {}}
         arms = {"unguarded": lambda: None, "windowed": lambda b=b: WindowedGuard(b)}
-        arms.update({f"loss_budget[{c:g} sigma]": (lambda h=max(1.0, c * sigma), b=b: SpeculationGuard(b, h))
+        arms.update({f"loss_budget[{c:g} sigma]": (lambda h=guard_loss_budget(b, sigma, c), b=b: SpeculationGuard(b, h))
                      for c in SPREADS})
         for name, make_guard in arms.items():
-            row["arms"][name] = {case: arm(make_guard, a, max_window, b, args.generations, args.new_tokens, seed)
+            row["arms"][name] = {case: arm(make_guard, a, max_window, b, generations, new_tokens, seed)
                                  for seed, (case, a) in enumerate((("paying", alpha), ("collapsed", COLLAPSED_ALPHA)))}
         rules.append(row)
-        print(f"K = {max_window}, b = {b:.3f}, sigma_A = {sigma:.2f}: " + "; ".join(
+        print(f"{new_tokens} tokens, K = {max_window}, b = {b:.3f}, sigma_A = {sigma:.2f}: " + "; ".join(
             f"{name} {r['paying']['speedup']:.3f} / {r['collapsed']['speedup']:.3f}" for name, r in row["arms"].items()))
+    return rules
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--generations", type=int, default=1000)
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[128, 1024],
+                        help="tokens per generation (long generations meet more runs of misses)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "guard_simulation.json")
+    args = parser.parse_args(argv)
+    by_length = {str(n): rules_at(n, args.generations) for n in args.new_tokens}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": "python benchmarks/guard_simulation.py", "generations": args.generations,
-        "new_tokens": args.new_tokens, "drafter_cost": DRAFTER_COST, "verify_cost": VERIFY_COST,
+        "drafter_cost": DRAFTER_COST, "verify_cost": VERIFY_COST,
         "note": "simulated rounds; speedup = tokens / target steps over plain decoding, mean over generations; "
-                "each arm: (paying, collapsed) acceptance", "rules": rules}, indent=1))
+                "each arm: (paying, collapsed) acceptance", "rules_by_new_tokens": by_length}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -18,7 +18,7 @@ import torch
 from conftest import make_target_and_drafters
 from ppow_trl import exact_greedy_tau, speculative_generate
 from ppow_trl.serving.assisted import load_assistant, save_assistant
-from ppow_trl.serving.calibration import calibrate_policy
+from ppow_trl.serving.calibration import calibrate_policy, guard_for_rule, guard_loss_budget
 from ppow_trl.serving.cost import CostModel
 from ppow_trl.serving.custom_generate.generate import SpeculationGuard, WindowBudget, guard_of
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy, accepted_spread_within, search_window_grid
@@ -48,12 +48,12 @@ def reference_decisions(accepted_of_round, num_rounds, b, budget, probe_every, m
 
     Outcomes count from the second decision after their round (the protocol HF's loop imposes): when a drafting
     round starts, the previous drafting round's outcome is added to the loss ``S = max(0, S + b - (A + 1))``. When
-    ``S > budget`` a pause starts (the round being drafted then is not counted) and ``S`` restarts at ``budget / 2``;
-    the pause lasts ``probe_every`` rounds, twice the last pause when the last resumption never brought ``S`` back to
-    0, at most ``max_pause``.
+    ``S > budget`` a pause starts (the round being drafted then is not counted) and ``S`` restarts at ``budget / 2``.
+    A pause lasts ``probe_every`` rounds; it lasts twice the last one (at most ``max_pause``) when the resumption before
+    it neither brought ``S`` back to 0 nor drafted ``probe_every`` counted rounds.
     """
     decisions, pending, paused, skip = [], None, 0, False
-    loss, pause, resumed = 0.0, probe_every, False
+    loss, pause, held, since = 0.0, probe_every, True, 0
     for r in range(num_rounds):
         draft = paused == 0
         paused = max(paused - 1, 0) if not draft else 0
@@ -65,11 +65,12 @@ def reference_decisions(accepted_of_round, num_rounds, b, budget, probe_every, m
                 skip = False
             else:
                 loss = max(0.0, loss + b - (pending + 1))
-                if loss == 0.0:
-                    resumed, pause = False, probe_every
+                since += 1
+                if loss == 0.0 or since >= probe_every:
+                    held = True
                 if loss > budget:
-                    pause = min(2 * pause, max_pause) if resumed else pause
-                    paused, loss, resumed, skip = pause, budget / 2, True, True
+                    pause = probe_every if held else min(2 * pause, max_pause)
+                    paused, loss, held, since, skip = pause, budget / 2, False, 0, True
         pending = accepted_of_round(r)
     return decisions
 
@@ -91,7 +92,7 @@ def test_guard_state_machine_equals_the_rule_written_out(seed):
     assert guard.decisions == expected
     assert not all(expected) and any(expected[200:])  # it paused on the bad stretch and came back
     pauses = [len(run) for run in "".join("d" if d else "p" for d in expected[60:200]).split("d") if run]
-    assert max(pauses) > GUARD["probe_every"]  # failed resumptions lengthened the pause
+    assert pauses[:4] == [4, 8, 16, 16]  # failed resumptions doubled the pause, up to max_pause
 
 
 def run_guard(guard, accepted, rounds=200):
@@ -121,21 +122,37 @@ def test_a_rule_that_pays_is_not_paused_by_its_runs_of_misses():
                for seed in range(200)]
     assert sum(map(sum, drafted)) / sum(map(len, drafted)) > 0.8
     collapsed = run_guard(SpeculationGuard(**settings), lambda: 0, rounds=400)
-    assert sum(collapsed) / len(collapsed) < 0.4
     first_pause = collapsed.index(False)
     assert first_pause == int(5 * spread / 0.11) + 2  # S grows 0.11 a miss; the outcome is recorded a round late
+    # each resumption starts at H / 2 and pauses after int(H / 2 / 0.11) + 1 more misses (+1: the round drafting when
+    # the pause began is not counted), then waits twice as long
+    runs = "".join("d" if d else "p" for d in collapsed).split("p")
+    resumptions = [len(run) for run in runs[1:] if run]
+    assert resumptions[:2] == [int(2.5 * spread / 0.11) + 2] * 2
     pauses = [len(run) for run in "".join("d" if d else "p" for d in collapsed).split("d") if run]
-    assert pauses[:3] == [32, 64, 128]
+    assert pauses[:3] == [32, 64, 128] and sum(collapsed) / len(collapsed) < 0.2
+
+
+def test_a_resumption_that_lasts_as_long_as_a_pause_resets_the_pause():
+    """A marginal rule takes long to bring S from H / 2 back to 0; once it has drafted ``probe_every`` rounds after a
+    pause, a later pause is ``probe_every`` again, not twice the last one."""
+    guard = SpeculationGuard(1.5, loss_budget=2.05, probe_every=4, max_pause=64)
+    pattern = [0] * 6 + [0, 1] * 10 + [0] * 6  # lose, then break even for 20 rounds (S stays at H / 2), then lose
+    rounds = iter(pattern + [0] * 40)
+    decisions = run_guard(guard, lambda: next(rounds), rounds=60)
+    pauses = [len(run) for run in "".join("d" if d else "p" for d in decisions).split("d") if run]
+    assert pauses[:2] == [4, 4]
 
 
 def test_a_proposer_that_costs_a_step_per_miss_is_paused_late():
     """Prompt lookup: a missed round costs about one step (b ~ t_v(1)/t_t ~ 1.04), so misses lose little and the budget
     lasts long (pausing would save under 5% and forfeit the next hits); a missed round that costs 1.3 steps spends
     the same budget in a few rounds."""
-    cheap = run_guard(SpeculationGuard(1.04, loss_budget=3.0), lambda: 0)
-    assert all(cheap[:76]) and not all(cheap)  # 3 / 0.04 = 75 missed rounds, then the pause
-    costly = run_guard(SpeculationGuard(1.3, loss_budget=3.0), lambda: 0)
-    assert costly.index(False) == 12  # 3 / 0.3 = 10 misses over budget at the 11th, recorded a round late
+    cheap = run_guard(SpeculationGuard(1.04, loss_budget=2.9), lambda: 0)
+    # over budget at the 73rd miss (2.9 / 0.04 = 72.5), recorded when round 73 starts: round 74 is the first paused
+    assert cheap.index(False) == 74
+    costly = run_guard(SpeculationGuard(1.3, loss_budget=2.9), lambda: 0)
+    assert costly.index(False) == 11  # over budget at the 10th miss (2.9 / 0.3 = 9.7)
 
 
 def test_guard_rejects_bad_settings_and_loads_the_windowed_guards_settings():
@@ -147,10 +164,22 @@ def test_guard_rejects_bad_settings_and_loads_the_windowed_guards_settings():
         SpeculationGuard(1.2, probe_every=32, max_pause=16)
     with pytest.raises(TypeError, match="loss_spread"):  # a calibration setting is not a guard's
         AdaptiveWindowPolicy(4, 0.3, guard={"break_even_tokens": 1.2, "loss_spreads": 5.0})
+    with pytest.raises(ValueError, match="loss_spreads"):  # and a guard's, or the windowed guard's, not a calibration's
+        guard_for_rule({"window": 8, "probe_every": 32}, AdaptiveWindowPolicy(1, 0.0), None, None)
     # a rule saved with the windowed guard ({"window", "margin"}) loads with the loss-budget guard
     legacy = AdaptiveWindowPolicy(4, 0.3, guard={"break_even_tokens": 1.2, "window": 8, "probe_every": 32,
                                                  "margin": 0.05}).new_guard()
     assert legacy.break_even_tokens == 1.2 and legacy.probe_every == 32 and legacy.loss_budget == 3.0
+
+
+def test_the_loss_budget_outlasts_one_missed_round():
+    """H = max(1, 2 (b - 1), c sigma_A): a rule of a tiny spread still pauses only after two misses (each loses b - 1),
+    or after losing a step, whichever is more."""
+    assert guard_loss_budget(1.1, 0.0, 5.0) == 1.0
+    assert guard_loss_budget(2.2, 0.1, 5.0) == pytest.approx(2.4)
+    assert guard_loss_budget(1.2, 0.4, 5.0) == pytest.approx(2.0)
+    decisions = run_guard(SpeculationGuard(2.2, guard_loss_budget(2.2, 0.1, 5.0)), lambda: 0, rounds=10)
+    assert decisions.index(False) == 4  # misses lose 1.2 each: over 2.4 at the 3rd, recorded a round late
 
 
 def test_accepted_spread_is_the_standard_deviation_of_a():
@@ -294,7 +323,7 @@ def test_calibration_sets_the_guard_from_the_cost_of_the_chosen_rule(models):
         # greedy: A of each context is its leading accepted tokens within its window
         accepted = [int(row[:length].cumprod(0).sum()) for row, length in zip(report["prefix_acceptance"], lengths)]
         spread = torch.tensor(accepted, dtype=torch.float64).std(unbiased=False)
-        assert policy.guard["loss_budget"] == pytest.approx(max(1.0, 5.0 * float(spread)))
+        assert policy.guard["loss_budget"] == pytest.approx(max(1.0, 2 * (expected - 1), 5.0 * float(spread)))
         assert policy.guard["probe_every"] == 32 and "loss_spreads" not in policy.guard
 
 

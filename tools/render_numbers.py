@@ -1165,30 +1165,33 @@ def _data_scaling_run(data: dict, name: str) -> list[str]:
 
 def guard_simulation(results: Path):
     data = load(results / "guard_simulation.json")
+    by_length = data.get("rules_by_new_tokens") or {str(data.get("new_tokens")): data["rules"]}
+    first = next(iter(by_length.values()))
     lines = [
         "The online guard on simulated rounds (`benchmarks/guard_simulation.py`): rule K drafts K tokens a round at "
         "per-token acceptance alpha, costing `b = K t_d + t_v(K)` target steps (compiled costs of the data-scaling "
         f"curve's 100k point: t_d = {data['drafter_cost']}, t_v(1..4) = "
         + " / ".join(str(v) for v in data["verify_cost"].values())
-        + f"), through the real `SpeculationGuard`; {data['generations']} generations of {data['new_tokens']} tokens "
-        "per cell. Each cell: speedup over plain decoding (tokens / steps) and the share of rounds that drafted, for "
-        "the calibrated acceptance (the rule pays) and for acceptance collapsed to "
-        f"{data['rules'][0]['collapsed_alpha']} with the same guard (a drafter out of its domain). `windowed` is the "
-        "guard the loss budget replaced (pause when 8 rounds averaged under 0.95 b). Command: "
-        f"`{data['command']}`.", "",
+        + f"), through the real `SpeculationGuard`; {data['generations']} generations per cell. Each cell: speedup "
+        "over plain decoding (tokens / steps) and the share of rounds that drafted, for the calibrated acceptance (the "
+        f"rule pays) and for acceptance collapsed to {first[0]['collapsed_alpha']} with the same guard (a drafter out "
+        "of its domain). `windowed` is the guard the loss budget replaced (pause when 8 rounds averaged under 0.95 b, "
+        f"one probe round to resume). Command: `{data['command']}`.", "",
     ]
-    arms = list(data["rules"][0]["arms"])
-    rows = []
-    for rule in data["rules"]:
-        cells = [f"K = {rule['max_window']}, alpha {rule['paying_alpha']}, b = {rule['break_even_tokens']:.2f}, "
-                 f"sigma_A = {rule['spread']:.2f}"]
-        for name in arms:
-            arm = rule["arms"][name]
-            cells.append(f"{arm['paying']['speedup']:.3f}x ({arm['paying']['drafting_fraction']:.0%}) / "
-                         f"{arm['collapsed']['speedup']:.3f}x ({arm['collapsed']['drafting_fraction']:.0%})")
-        rows.append(cells)
-    lines += table(["rule"] + [f"{name}: paying / collapsed" for name in arms], rows)
-    lines += ["", "The served default is `loss_budget[5 sigma]` (`DEFAULT_GUARD`).", ""]
+    for length, rules in by_length.items():
+        arms = list(rules[0]["arms"])
+        rows = []
+        for rule in rules:
+            cells = [f"K = {rule['max_window']}, alpha {rule['paying_alpha']}, b = {rule['break_even_tokens']:.2f}, "
+                     f"sigma_A = {rule['spread']:.2f}"]
+            for name in arms:
+                arm = rule["arms"][name]
+                cells.append(f"{arm['paying']['speedup']:.3f}x ({arm['paying']['drafting_fraction']:.0%}) / "
+                             f"{arm['collapsed']['speedup']:.3f}x ({arm['collapsed']['drafting_fraction']:.0%})")
+            rows.append(cells)
+        lines += [f"Generations of {count(int(length))} tokens:", ""]
+        lines += table(["rule"] + [f"{name}: paying / collapsed" for name in arms], rows) + [""]
+    lines += ["The served default is `loss_budget[5 sigma]` (`DEFAULT_GUARD`).", ""]
     return "The online guard", lines
 
 

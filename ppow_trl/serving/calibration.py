@@ -26,9 +26,14 @@ from .windowing import (AdaptiveWindowPolicy, accepted_spread_within, charged_wi
                         search_window_grid)
 
 REGIMES = ("greedy", "sampling", "both")
-MIN_LOSS_BUDGET = 1.0
-"""The least loss budget of a guard, in target steps: a rule whose rounds never vary (spread 0) still pauses only after
-losing a whole step."""
+DEFAULT_THRESHOLDS = tuple(i / 20 for i in range(20))
+GUARD_SETTINGS = ("loss_spreads", "probe_every", "max_pause")
+"""The online guard's settings a calibration takes (``DEFAULT_GUARD``); the break-even and the budget are computed."""
+
+
+def guard_loss_budget(break_even: float, spread: float, spreads: float) -> float:
+    """``H = max(1, 2 (b - 1), c sigma_A)`` target steps (``guard_for_rule``)."""
+    return max(1.0, 2.0 * (break_even - 1.0), spreads * spread)
 
 
 def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_model: CostModel) -> dict:
@@ -37,20 +42,23 @@ def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_m
 
     - break-even ``b = mean_n (M_n t_d + t_v(L_n)) / t_t``, the rule's mean round time (a round must yield that many
       tokens to pay);
-    - loss budget ``H = max(MIN_LOSS_BUDGET, c sigma_A)``, ``c = settings["loss_spreads"]`` standard deviations of the
-      accepted length per round (``accepted_spread_within``): the time speculation may lose before a pause, in units
-      of its own noise, so that a rule that pays is rarely paused by a run of misses;
-    - the other settings (``probe_every``, ``max_pause``) as given.
+    - loss budget ``H = max(1, 2 (b - 1), c sigma_A)`` target steps, ``c = settings["loss_spreads"]`` standard
+      deviations of the accepted length per round (``accepted_spread_within``): the time speculation may lose before a
+      pause, in units of its own noise, so that a rule that pays is seldom paused by a run of misses; at least one
+      step, and at least two missed rounds (a miss loses ``b - 1``), so that one miss never pauses a rule;
+    - ``probe_every`` and ``max_pause`` as given.
     """
+    unknown = set(settings) - set(GUARD_SETTINGS)
+    if "loss_spreads" not in settings or unknown:
+        raise ValueError(f"The online guard's calibration settings are {GUARD_SETTINGS} (loss_spreads required), got "
+                         f"{sorted(settings)}: pass ppow_trl.serving.rule.DEFAULT_GUARD, or guard=None for none.")
     settings = dict(settings)
     spreads = float(settings.pop("loss_spreads"))
     confidences, prefix, charged = rollout
     lengths = policy.window_lengths(confidences)
-    spread = accepted_spread_within(prefix, lengths)
-    return {**settings,
-            "break_even_tokens": float(cost_model.round_time(lengths, charged_within(charged, lengths)).mean()),
-            "loss_budget": max(MIN_LOSS_BUDGET, spreads * spread)}
-DEFAULT_THRESHOLDS = tuple(i / 20 for i in range(20))
+    break_even = float(cost_model.round_time(lengths, charged_within(charged, lengths)).mean())
+    budget = guard_loss_budget(break_even, accepted_spread_within(prefix, lengths), spreads)
+    return {**settings, "break_even_tokens": break_even, "loss_budget": budget}
 
 
 def held_out_contexts(

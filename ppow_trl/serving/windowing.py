@@ -104,9 +104,10 @@ class AdaptiveWindowPolicy:
             ``ppow_trl.serving.calibration.calibrate_policy``: the regime they are for (``"greedy"`` or ``"sampling"``
             and its temperature), the number of held-out contexts, the predicted speedup. ``None``: set by hand.
         guard (`dict`, *optional*): the online guard of every generation, ``{"break_even_tokens": b, "loss_budget": H,
-            "probe_every": N}`` (``SpeculationGuard``): drafting pauses for ``N`` rounds once the rounds, each costing
-            ``b`` steps and yielding ``A + 1`` tokens, have lost more than ``H`` steps against plain decoding since
-            they last broke even. ``None``: no guard.
+            "probe_every": N, "max_pause": M}`` (``SpeculationGuard``): drafting pauses for ``N`` rounds once the
+            rounds, each costing ``b`` steps and yielding ``A + 1`` tokens, have lost more than ``H`` steps against
+            plain decoding since they last broke even; it resumes with ``H / 2`` spent, and the pause doubles (up to
+            ``M``) while resumptions keep losing. ``None``: no guard.
 
     ``max_window = 0`` means no speculation: every route decodes plainly (the serving calibration chooses it when the
     measured cost model predicts under ``SERVED_MIN_SPEEDUP`` for every ``(K, h)``).
@@ -193,11 +194,12 @@ def accepted_spread_within(prefix_acceptance: torch.Tensor, lengths: torch.Tenso
     """Standard deviation of the accepted length ``A`` of one round over the rows and their randomness:
     ``Var A = mean_n E[A_n^2] - (mean_n E[A_n])^2`` with ``E[A^2 | y] = sum_{k<=L} (2k - 1) P(A >= k | y)``
     (``A^2 = sum_{k<=A} (2k - 1)``; 0/1 terms when greedy, where only the rows differ)."""
+    prefix_acceptance = prefix_acceptance.double()  # sums of many terms: bf16/fp16 rollouts would round them
     keep = torch.arange(prefix_acceptance.shape[1], device=prefix_acceptance.device) < lengths.to(
         prefix_acceptance.device).unsqueeze(-1)
     odd = 2 * torch.arange(1, prefix_acceptance.shape[1] + 1, device=prefix_acceptance.device) - 1
-    first = (prefix_acceptance * keep).sum(dim=-1).double().mean()
-    second = (prefix_acceptance * keep * odd).sum(dim=-1).double().mean()
+    first = (prefix_acceptance * keep).sum(dim=-1).mean()
+    second = (prefix_acceptance * keep * odd).sum(dim=-1).mean()
     return float((second - first**2).clamp(min=0.0).sqrt())
 
 

@@ -151,14 +151,15 @@ class SpeculationGuard:
     Why a budget and not a window mean: a rule that pays on average has misses in a row by chance (K = 1 at first-token
     acceptance 0.19 misses 8 rounds in a row with probability 0.19), and a window mean under ``b`` paused it on that
     noise; the calibration sets ``H`` from the rule's own spread of ``A`` (``ppow_trl.serving.calibration.guard_for_rule``,
-    5 standard deviations), so a drafter that pays is paused rarely while one whose acceptance collapsed pauses after
-    losing about ``H`` steps. A proposer that costs nothing to run (prompt lookup, ``b ~ 1``) loses little per miss and
+    5 standard deviations, at least two missed rounds), so a drafter that pays is paused less often and for less
+    (a marginal K = 1 rule at 1.07x still spends about 15% of its rounds paused, at 1% of its speedup) while one whose
+    acceptance collapsed pauses after losing about ``H`` steps. A proposer that costs nothing to run (prompt lookup, ``b ~ 1``) loses little per miss and
     is paused late, as it should: pausing it would save little and forfeit the next hits.
 
     While paused, ``pause`` rounds decode plainly (``K = 0``: one target forward, one token); then drafting resumes with
     half the budget already spent (``S = H / 2``, a fast-initial-response CUSUM): a drafter that still loses pauses
-    again after losing ``H / 2`` more, and the pause doubles (up to ``max_pause``); one that pays brings ``S`` back to
-    0, and the next pause is ``probe_every`` again. Only accepted lengths are read, never window lengths, so exact
+    again after losing ``H / 2`` more, and the pause doubles (up to ``max_pause``); a resumption holds when ``S``
+    comes back to 0 or lasts ``probe_every`` drafting rounds, and the next pause is ``probe_every`` again. Only accepted lengths are read, never window lengths, so exact
     greedy tau (which knows ``A`` but not the length of rejected windows) replays the guard exactly.
 
     One protocol on every route, fixed by what Hugging Face's assisted loop can know: a route calls ``decide()``
@@ -189,7 +190,8 @@ class SpeculationGuard:
         self.lost = 0.0  # S: target steps lost against plain decoding since speculation last broke even
         self.paused_left = 0
         self.pause = self.probe_every  # length of the next pause
-        self.resumed = False  # drafting again after a pause, not yet back at break-even
+        self.resumed = False  # drafting again after a pause, and the resumption has not held yet
+        self.resumed_rounds = 0  # drafting rounds counted since the resumption
         self.ignore_next = False
         self.decisions = []  # per round, True = drafted (for inspection and tests)
         self.last_window = None  # HF's routes: (committed length, drafted ids) of the last drafting call
@@ -210,7 +212,10 @@ class SpeculationGuard:
             self.ignore_next = False
             return
         self.lost = max(0.0, self.lost + self.break_even_tokens - (int(accepted) + 1))
-        if self.lost == 0.0 and self.resumed:  # back at break-even: the resumption held
+        self.resumed_rounds += 1
+        if self.resumed and (self.lost == 0.0 or self.resumed_rounds >= self.probe_every):
+            # back at break-even, or drafting as long as a pause lasts: the resumption held (a rule that pays
+            # little takes long to reach 0 from H / 2, and must not be held back like one that lost again)
             self.resumed, self.pause = False, self.probe_every
         if self.lost > self.loss_budget:
             self._pause()
@@ -241,7 +246,7 @@ class SpeculationGuard:
             self.pause = min(2 * self.pause, self.max_pause)
         self.paused_left = self.pause
         self.lost = self.loss_budget / 2  # resume with half the budget spent
-        self.resumed = True
+        self.resumed, self.resumed_rounds = True, 0
         self.ignore_next = True  # the round being drafted now began before the pause
 
 
