@@ -167,8 +167,9 @@ def test_guard_rejects_bad_settings_and_loads_the_windowed_guards_settings():
     with pytest.raises(ValueError, match="loss_spreads"):  # and a guard's, or the windowed guard's, not a calibration's
         guard_for_rule({"window": 8, "probe_every": 32}, AdaptiveWindowPolicy(1, 0.0), None, None)
     # a rule saved with the windowed guard ({"window", "margin"}) loads with the loss-budget guard
-    legacy = AdaptiveWindowPolicy(4, 0.3, guard={"break_even_tokens": 1.2, "window": 8, "probe_every": 32,
-                                                 "margin": 0.05}).new_guard()
+    with pytest.warns(UserWarning, match="windowed online guard"):
+        legacy = AdaptiveWindowPolicy(4, 0.3, guard={"break_even_tokens": 1.2, "window": 8, "probe_every": 32,
+                                                     "margin": 0.05}).new_guard()
     assert legacy.break_even_tokens == 1.2 and legacy.probe_every == 32 and legacy.loss_budget == 3.0
 
 

@@ -53,6 +53,7 @@ writes no file and starts no process.
 import copy
 import json
 import os
+import warnings
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
@@ -183,6 +184,12 @@ class SpeculationGuard:
     @classmethod
     def from_settings(cls, settings: dict) -> "SpeculationGuard":
         """The guard of a saved rule's ``guard`` dict (the windowed guard's ``window`` and ``margin`` are ignored)."""
+        legacy = [key for key in GUARD_LEGACY_KEYS if key in settings]
+        if legacy and "loss_budget" not in settings:
+            warnings.warn(f"This rule was saved with the windowed online guard ({', '.join(legacy)}): it runs with the "
+                          f"loss-budget guard at the default budget of {cls.__init__.__defaults__[0]} steps. Calibrate "
+                          "it again (ppow_trl.serving.rule.calibrate_for_serving) for a budget from its own spread.",
+                          stacklevel=2)
         return cls(**{key: value for key, value in settings.items() if key not in GUARD_LEGACY_KEYS})
 
     def reset(self) -> None:
