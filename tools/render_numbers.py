@@ -1150,10 +1150,14 @@ def _data_scaling_run(data: dict, name: str) -> list[str]:
             before = (earlier[-1].get("measured_speedup_served") or {}) if earlier else {}
             after = (now or {}).get("measured_speedup_served") or {}
             if before.get("speedup") is not None and after.get("speedup") is not None:
+                then = earlier[-1].get("measured_speedup_best_speculative") or {}
                 lines[-1] += (f" At {count(now['response_tokens'])} tokens an earlier run timed the served rule with "
                               f"the windowed guard: {with_ci(before['speedup'], before.get('ci95'), 3, 'x')} "
-                              f"(tau {before['tau']:.2f}); with the loss-budget guard it measured "
-                              f"{with_ci(after['speedup'], after.get('ci95'), 3, 'x')} (tau {after['tau']:.2f}).")
+                              f"(tau {before['tau']:.2f}; the best rule unguarded measured {then.get('speedup', 0):.3f}x "
+                              f"in that run); with the loss-budget guard it measured "
+                              f"{with_ci(after['speedup'], after.get('ci95'), 3, 'x')} (tau {after['tau']:.2f}). Runs "
+                              "of different sessions differ by the machine's state as well as by the guard: compare "
+                              "guarded with unguarded within one run.")
         lines.append("")
     if not side_by_side:
         best = max(p.get("predicted_speedup_best_speculative") or 0.0 for p in points)
