@@ -24,8 +24,11 @@ import json
 import random
 from pathlib import Path
 
+import torch
+
 from ppow_trl.serving.calibration import guard_loss_budget
 from ppow_trl.serving.custom_generate.generate import SpeculationGuard
+from ppow_trl.serving.windowing import accepted_spread_within
 
 DRAFTER_COST = 0.148
 VERIFY_COST = {1: 0.97, 2: 1.13, 3: 1.40, 4: 1.55}
@@ -76,10 +79,9 @@ def accepted(rng, alpha, max_window):
 
 
 def spread(alpha, max_window):
-    """Standard deviation of ``A`` when ``P(A >= k) = alpha^k`` (``E[A^2] = sum_k (2k - 1) alpha^k``)."""
-    first = sum(alpha**k for k in range(1, max_window + 1))
-    second = sum((2 * k - 1) * alpha**k for k in range(1, max_window + 1))
-    return (second - first**2) ** 0.5
+    """Standard deviation of ``A`` when ``P(A >= k) = alpha^k`` (the calibration's ``accepted_spread_within``)."""
+    prefix = torch.tensor([[alpha**k for k in range(1, max_window + 1)]], dtype=torch.float64)
+    return accepted_spread_within(prefix, torch.tensor([max_window]))
 
 
 def generation(rng, guard, alpha, max_window, b, new_tokens):
