@@ -8,8 +8,13 @@ acceptance ``alpha`` (``P(A >= k) = alpha^k``, ``k <= K``). A drafting round cos
 1 token. A generation runs until 128 tokens (and 1,024), through the real ``SpeculationGuard`` and its protocol
 (``decide()`` each round, ``record(A)`` of the previous drafting round when the next one starts).
 
-For each ``K``: a calibrated ``alpha`` at which the rule pays, and a collapsed ``alpha = 0.02`` (a drafter out of its
-domain) that keeps the calibrated guard (its ``b`` and its loss budget from the paying rule's spread). Arms:
+For each ``K``: a calibrated ``alpha`` at which the rule pays, a collapsed ``alpha = 0.02`` (a drafter out of its
+domain) that keeps the calibrated guard (its ``b`` and its loss budget from the paying rule's spread), and bursty
+cases. The loss budget assumes rounds independent (``sigma_A`` of one round); real text comes in stretches that are
+easy or hard to draft. In the bursty cases acceptance switches between ``alpha (1 + d)`` and ``alpha (1 - d)``
+(``d`` in ``BURST_DEPTHS``, half the text each in the long run), leaving its stretch with probability ``1 / BURST_TOKENS``
+per token, so hard stretches where the rule loses last ``BURST_TOKENS`` tokens on average; the guard keeps the
+independent-round budget, and its speedup is compared with the unguarded rule's on the same stretches. Arms:
 ``unguarded``, ``windowed`` (the guard this replaced: pause 32 rounds when 8 rounds averaged under ``0.95 b``, a
 single probe round decides), and the loss-budget guard at several budgets ``c sigma_A``. Reported: speedup over plain
 decoding (tokens / steps, mean over generations) and the fraction of rounds that drafted.
@@ -34,6 +39,8 @@ DRAFTER_COST = 0.148
 VERIFY_COST = {1: 0.97, 2: 1.13, 3: 1.40, 4: 1.55}
 PAYING_ALPHA = {1: 0.19, 2: 0.45, 3: 0.6, 4: 0.7}
 COLLAPSED_ALPHA = 0.02
+BURST_DEPTHS = (0.3, 0.8)  # hard stretches that still pay for K = 1 / that lose for every K
+BURST_TOKENS = 48
 SPREADS = (2.0, 3.0, 5.0, 8.0)
 
 
@@ -78,32 +85,51 @@ def accepted(rng, alpha, max_window):
     return count
 
 
+class Bursty:
+    """Per-token acceptance that switches between ``alpha (1 + d)`` (capped at 0.95) and ``alpha (1 - d)``: the text
+    leaves its stretch with probability ``1 / tokens`` at each token, and starts in either stretch at random. The
+    stretches are drawn from their own stream, so every arm of a comparison meets the same text."""
+
+    def __init__(self, seed, alpha, depth, tokens=BURST_TOKENS):
+        self.rng, self.levels, self.leave = random.Random(seed), (min(0.95, alpha * (1 + depth)), alpha * (1 - depth)), 1 / tokens
+        self.states = [self.rng.random() < 0.5]
+
+    def at(self, position):
+        """The acceptance of the round that starts at token ``position``."""
+        while len(self.states) <= position:
+            self.states.append(self.states[-1] != (self.rng.random() < self.leave))
+        return self.levels[self.states[position]]
+
+
 def spread(alpha, max_window):
     """Standard deviation of ``A`` when ``P(A >= k) = alpha^k`` (the calibration's ``accepted_spread_within``)."""
     prefix = torch.tensor([[alpha**k for k in range(1, max_window + 1)]], dtype=torch.float64)
     return accepted_spread_within(prefix, torch.tensor([max_window]))
 
 
-def generation(rng, guard, alpha, max_window, b, new_tokens):
-    """Tokens / target steps of one generation, and the fraction of rounds that drafted."""
+def generation(rng, guard, alpha, max_window, b, new_tokens, text=None):
+    """Tokens / target steps of one generation, and the fraction of rounds that drafted. ``text``: a ``Bursty``
+    process that sets the acceptance of each round from the token it starts at (``None``: ``alpha`` throughout)."""
     tokens = steps = rounds = drafting = 0
     previous = None
     while tokens < new_tokens:
         rounds += 1
+        alpha_now = alpha if text is None else text.at(tokens)
         if guard is None or guard.decide():
             if guard is not None and previous is not None:
                 guard.record(previous)
-            previous = accepted(rng, alpha, max_window)
+            previous = accepted(rng, alpha_now, max_window)
             tokens, steps, drafting = tokens + previous + 1, steps + b, drafting + 1
         else:
             tokens, steps = tokens + 1, steps + 1
     return tokens / steps, drafting / rounds
 
 
-def arm(make_guard, alpha, max_window, b, generations, new_tokens, seed):
+def arm(make_guard, alpha, max_window, b, generations, new_tokens, seed, depth=None):
     rng = random.Random(seed)
-    speeds, fractions = zip(*(generation(rng, make_guard(), alpha, max_window, b, new_tokens)
-                              for _ in range(generations)))
+    speeds, fractions = zip(*(generation(rng, make_guard(), alpha, max_window, b, new_tokens,
+                                         Bursty(f"{seed}-{index}", alpha, depth) if depth else None)
+                              for index in range(generations)))
     return {"speedup": sum(speeds) / len(speeds), "drafting_fraction": sum(fractions) / len(fractions)}
 
 
@@ -114,16 +140,20 @@ def rules_at(new_tokens: int, generations: int) -> list[dict]:
         b = max_window * DRAFTER_COST + VERIFY_COST[max_window]
         sigma = spread(alpha, max_window)
         row = {"max_window": max_window, "break_even_tokens": b, "spread": sigma, "paying_alpha": alpha,
-               "collapsed_alpha": COLLAPSED_ALPHA, "arms": {}}
+               "collapsed_alpha": COLLAPSED_ALPHA,
+               "bursty_alphas": {f"bursty_{d:g}": [min(0.95, alpha * (1 + d)), alpha * (1 - d)] for d in BURST_DEPTHS},
+               "arms": {}}
         arms = {"unguarded": lambda: None, "windowed": lambda b=b: WindowedGuard(b)}
         arms.update({f"loss_budget[{c:g} sigma]": (lambda h=guard_loss_budget(b, sigma, c), b=b: SpeculationGuard(b, h))
                      for c in SPREADS})
         for name, make_guard in arms.items():
-            row["arms"][name] = {case: arm(make_guard, a, max_window, b, generations, new_tokens, seed)
-                                 for seed, (case, a) in enumerate((("paying", alpha), ("collapsed", COLLAPSED_ALPHA)))}
+            cases = [("paying", alpha, None), ("collapsed", COLLAPSED_ALPHA, None)]
+            cases += [(f"bursty_{d:g}", alpha, d) for d in BURST_DEPTHS]
+            row["arms"][name] = {case: arm(make_guard, a, max_window, b, generations, new_tokens, seed, depth)
+                                 for seed, (case, a, depth) in enumerate(cases)}
         rules.append(row)
         print(f"{new_tokens} tokens, K = {max_window}, b = {b:.3f}, sigma_A = {sigma:.2f}: " + "; ".join(
-            f"{name} {r['paying']['speedup']:.3f} / {r['collapsed']['speedup']:.3f}" for name, r in row["arms"].items()))
+            f"{name} " + " / ".join(f"{case['speedup']:.3f}" for case in r.values()) for name, r in row["arms"].items()))
     return rules
 
 
@@ -138,9 +168,10 @@ def main(argv=None):
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": "python benchmarks/guard_simulation.py", "generations": args.generations,
-        "drafter_cost": DRAFTER_COST, "verify_cost": VERIFY_COST,
+        "drafter_cost": DRAFTER_COST, "verify_cost": VERIFY_COST, "burst_depths": BURST_DEPTHS,
+        "burst_tokens": BURST_TOKENS,
         "note": "simulated rounds; speedup = tokens / target steps over plain decoding, mean over generations; "
-                "each arm: (paying, collapsed) acceptance", "rules_by_new_tokens": by_length}, indent=1))
+                "each arm: paying, collapsed and bursty acceptance (bursty_<d>: stretches at alpha (1 +- d))", "rules_by_new_tokens": by_length}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -1195,6 +1195,16 @@ def guard_simulation(results: Path):
             rows.append(cells)
         lines += [f"Generations of {count(int(length))} tokens:", ""]
         lines += table(["rule"] + [f"{name}: paying / collapsed" for name in arms], rows) + [""]
+        bursty = [case for case in rules[0]["arms"][arms[0]] if case.startswith("bursty_")]
+        if bursty:
+            rows = [[f"K = {rule['max_window']}, alpha " + " / ".join(
+                        "{:.2f}-{:.2f}".format(*rule["bursty_alphas"][case]) for case in bursty)]
+                    + [" / ".join(f"{rule['arms'][name][case]['speedup']:.3f}x" for case in bursty) for name in arms]
+                    for rule in rules]
+            lines += [f"Bursty text, generations of {count(int(length))} tokens (stretches of "
+                      f"{data['burst_tokens']} tokens on average at alpha (1 + d) or alpha (1 - d); cells: d = "
+                      + " / ".join(case.split("_", 1)[1] for case in bursty) + "):", ""]
+            lines += table(["rule"] + arms, rows) + [""]
     lines += ["The served default is `loss_budget[5 sigma]` (`DEFAULT_GUARD`).", ""]
     return "The online guard", lines
 
