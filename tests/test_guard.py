@@ -328,6 +328,27 @@ def test_calibration_sets_the_guard_from_the_cost_of_the_chosen_rule(models):
         assert policy.guard["probe_every"] == 32 and "loss_spreads" not in policy.guard
 
 
+def test_a_rule_calibrated_for_both_regimes_gets_the_guard_of_the_noisier_one(models):
+    """Greedy and sampled acceptance spread differently: one guard for both must not pause either on its own noise."""
+    target, _, drafter = models
+    contexts = [ids[0] for ids in prompts(8)]
+    cost = CostModel(drafter_cost=0.05, verify_cost=[1.0, 1.05, 1.1, 1.6])
+    policy, report = calibrate_policy(target, drafter, contexts, cost, max_window=3, regime="both", seed=1,
+                                      guard={"loss_spreads": 5.0, "probe_every": 32})
+    assert policy.max_window > 0 and set(report["guard_by_regime"]) == {"greedy", "sampling"}
+    greedy, sampled = report["guard_by_regime"]["greedy"], report["guard_by_regime"]["sampling"]
+    # the greedy entry is the greedy rollouts' guard, brute force as above
+    lengths = torch.tensor(report["window_lengths"])
+    accepted = [int(row[:length].cumprod(0).sum()) for row, length in zip(report["prefix_acceptance"], lengths)]
+    spread = torch.tensor(accepted, dtype=torch.float64).std(unbiased=False)
+    assert greedy["loss_budget"] == pytest.approx(max(1.0, 2 * (greedy["break_even_tokens"] - 1), 5.0 * float(spread)))
+    assert sampled["loss_budget"] != pytest.approx(greedy["loss_budget"])  # the regimes do differ here
+    assert policy.guard["loss_budget"] == max(greedy["loss_budget"], sampled["loss_budget"])
+    assert policy.guard["break_even_tokens"] == pytest.approx(
+        (greedy["break_even_tokens"] + sampled["break_even_tokens"]) / 2)
+    assert SpeculationGuard.from_settings(policy.guard).loss_budget == policy.guard["loss_budget"]
+
+
 def test_calibrate_for_serving_measures_the_served_drafter_and_picks_plain_decoding_when_nothing_pays(models):
     """On the drafter as served: its own cost model, the best speculative rule kept for reference (many (K, h) tie
     on a random drafter's windows), K = 0 exactly when that rule is predicted under the serving margin."""

@@ -159,7 +159,8 @@ def calibrate_policy(
     Serving (the recipe, ``save_assistant`` callers): ``allow_no_speculation=True`` lets the grid choose ``K = 0``
     when the measured cost model predicts no ``(K, h)`` above 1x, or at least ``min_speedup`` (``chosen_rule``:
     a margin for the prediction's error); ``guard={"loss_spreads": c, "probe_every": N}`` attaches the online guard
-    (``SpeculationGuard``) of the chosen rule (``guard_for_rule``).
+    (``SpeculationGuard``) of the chosen rule (``guard_for_rule``; under ``"both"``, the mean break-even over the two
+    regimes and the larger loss budget, each regime's in ``report["guard_by_regime"]``).
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}.")
@@ -188,8 +189,14 @@ def calibrate_policy(
         expected[name] = float(expected_accepted_within(prefix, policy.window_lengths(conf)).mean())
     confidences, _, charged = rollouts[regimes[0]]
     lengths = policy.window_lengths(confidences)
+    guards = {}
     if guard is not None and policy.max_window > 0:
-        policy.guard = guard_for_rule(guard, policy, rollouts[regimes[0]], cost_model)
+        # One guard serves whichever regime the user decodes in ("both"): the rounds' mean cost over the regimes, and
+        # the budget of the noisier one, so that neither regime's rule is paused by its own runs of misses.
+        guards = {name: guard_for_rule(guard, policy, rollouts[name], cost_model) for name in regimes}
+        policy.guard = {**guards[regimes[0]],
+                        "break_even_tokens": sum(g["break_even_tokens"] for g in guards.values()) / len(guards),
+                        "loss_budget": max(g["loss_budget"] for g in guards.values())}
         policy.new_guard()  # validates the settings
     fixed = AdaptiveWindowPolicy(max_window, 0.0, confidence_temperature)
     policy.calibration = {
@@ -205,5 +212,5 @@ def calibrate_policy(
     }
     report = {"policy": policy, "grid": {name: grids[name] for name in regimes}, "mean_speedup": mean,
               "window_lengths": lengths.tolist(), "confidences": confidences, "charged": charged,
-              "prefix_acceptance": rollouts[regimes[0]][1]}
+              "prefix_acceptance": rollouts[regimes[0]][1], "guard_by_regime": guards}
     return policy, report
