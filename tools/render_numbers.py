@@ -479,15 +479,19 @@ def compiled_serving(results: Path):
 def main_job_compiled(results: Path):
     data = load(results / "main_job_compiled.json")
     lines = [
-        "The main job (`recipes/ppow_llama.py`, offline default, `runtime: compiled`) as run end to end: wall clock, the "
+        "The main job (`recipes/ppow_llama.py`, `runtime: compiled`: the offline default, or the config a run names) as "
+        "run end to end: wall clock, the "
         "served rule decided on the compiled runtime's costs, and the job's own side-by-side evaluation of the served "
         "rule against compiled plain decoding and transformers' eager `generate`. One entry per recorded run, in the "
         "order they were recorded.", "",
     ]
     for i, run in enumerate(data["runs"], 1):
-        lines += [f"**Run {i}**", "", *command_block(run.get("command"), shell=False),
+        lines += [f"**Run {i}**" + (f" ({run['label']})" if run.get("label") else ""), "",
+                  *command_block(run.get("command"), shell=False),
                   machine_text(cpu=run.get("cpu"), runtime="compiled"), ""]
-        facts = [("wall clock", run.get("wall_clock")), ("compile", "; ".join(run.get("compile", [])) or None),
+        facts = [("wall clock", run.get("wall_clock")), ("data", "; ".join(run.get("data", [])) or None),
+                 ("training", "; ".join(run.get("kd", [])) or None),
+                 ("compile", "; ".join(run.get("compile", [])) or None),
                  ("trainer's t_d/t_t", num(run.get("trainer_cost_ratio_t_d_over_t_t"), 4)
                   if run.get("trainer_cost_ratio_t_d_over_t_t") is not None else None),
                  ("served rule", run.get("served_rule")), ("hybrid's rule", run.get("hybrid_rule")),
