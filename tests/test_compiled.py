@@ -175,6 +175,40 @@ def test_compiled_verify_rows_are_bitwise_the_decode_steps(models):
     assert _rows_differing_from_one_row_at_a_time(compiled, ids, prefix=17) == [0] * (MAX_ROWS - 1)
 
 
+def test_a_one_token_step_on_the_padded_2_row_graph_is_bitwise_its_own_and_leaves_one_position(models):
+    """``decode_rows=2`` runs a one-token step on the 2-row graph with a padding row (faster on some CPUs): the same
+    logits bit for bit, the cache one position longer (the padding row's cropped away), and the step's own graph at the
+    cache's last position, where no padding row fits."""
+    _, _, compiled = models
+    assert compiled.decode_rows in (1, 2)  # measured at the warm-up
+    chosen = compiled.decode_rows
+    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(7))
+    steps = {}
+    try:
+        for rows in (1, 2):
+            compiled.decode_rows = rows
+            cache = compiled.new_cache()
+            with torch.no_grad():
+                compiled(input_ids=ids[:, :12], cache=cache)
+                logits = []
+                for t in range(12, 30):
+                    logits.append(compiled(input_ids=ids[:, t:t + 1], cache=cache).logits[0, -1])
+                    assert int(cache.get_seq_length()) == t + 1
+            steps[rows] = torch.stack(logits)
+        assert torch.equal(steps[1], steps[2])
+        compiled.decode_rows = 2
+        cache = compiled.new_cache()
+        with torch.no_grad():  # up to the last position: 95 tokens, then one step with no room for the padding row
+            compiled(input_ids=torch.zeros((1, compiled.max_cache_len - 1), dtype=torch.long), cache=cache)
+            out = compiled(input_ids=ids[:, :1], cache=cache)
+        assert out.logits.shape[1] == 1 and int(cache.get_seq_length()) == compiled.max_cache_len
+    finally:
+        compiled.decode_rows = chosen
+        compiled.new_cache()
+    with pytest.raises(ValueError, match="decode_rows"):
+        CompiledCausalLM(torch.nn.Linear(1, 1), max_rows=1, decode_rows=2)
+
+
 def test_an_int8_target_serves_compiled_and_speculative_equals_plain_at_int8(models, caplog):
     """``serving_runtime(..., precision="int8")``: the converted target's graphs on the compiled runtime (no
     recompile while serving), every verified row bitwise the decode step's, so greedy speculative decoding equals
