@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -182,3 +184,24 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def interleaved_medians(steps: dict, repeats: int, warmup: int, device: torch.device) -> dict:
+    """Median seconds of each ``steps[name]()``, timed round-robin so that machine load hits all alike.
+
+    Timing one workload after another lets a burst of load on a shared machine land on a single
+    ``L`` (we saw ``t_v(2) > t_v(3)`` that way); interleaving spreads it over every workload.
+    """
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            synchronize()
+            start = time.perf_counter()
+            step()
+            synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..utils import interleaved_medians
 from .attention import fixed_rows_attention
 from .inductor_settings import CompileSettings, compile_cache_dir, compile_context, use_compile_cache
 from .package_store import (build_bytes, disk_full, make_room, mark_used, package_bytes, package_path,
@@ -335,21 +336,21 @@ class CompiledCausalLM(torch.nn.Module):
         cache); the 2-row graph only when it is faster by the ``margin``, else the decode step's own."""
         if self.max_rows < 2 or self.max_cache_len < context + 2:
             return 1
-        import statistics
-
         cache = self.new_cache()
         token = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
-        times = {1: [], 2: []}
+
+        def step(rows):
+            def run():
+                self._call_compiled(token.repeat(1, rows),
+                                    torch.arange(context, context + rows, device=token.device).unsqueeze(0), cache)
+                cache.crop(-rows)
+            return run
+
         with torch.no_grad():
             self.model(input_ids=token.repeat(1, context), cache=cache, use_cache=True)
-            for _ in range(repeats + 2):
-                for rows in (1, 2):
-                    start = time.perf_counter()
-                    self._call_compiled(token.repeat(1, rows), torch.arange(context, context + rows).unsqueeze(0),
-                                        cache)
-                    times[rows].append(time.perf_counter() - start)
-                    cache.crop(-rows)
-        one, two = (statistics.median(times[rows][2:]) for rows in (1, 2))
+            medians = interleaved_medians({1: step(1), 2: step(2)}, repeats=repeats, warmup=2,
+                                           device=token.device)
+        one, two = medians[1], medians[2]
         logger.info("One-token step: %.1f ms on its own graph, %.1f ms on the 2-row graph with a padding row; %s",
                     one * 1e3, two * 1e3, "padding" if two < margin * one else "its own graph")
         self.new_cache()

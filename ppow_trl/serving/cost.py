@@ -7,8 +7,6 @@ portable between machines, ratios mostly are, and ``S(y)`` only depends on ratio
 from __future__ import annotations
 
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import torch
 
 from ..drafting import family_of
 from ..features import context_features
-from ..utils import crop_cache, load_json, save_json
+from ..utils import crop_cache, interleaved_medians, load_json, save_json
 
 COST_MODEL_FILE = "ppow_cost_model.json"
 
@@ -136,27 +134,6 @@ def overall_speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor
     return (expected_accepted.float() + 1.0).sum() / cost_model.round_time(window_length, charged).sum()
 
 
-def _interleaved_medians(steps: dict, repeats: int, warmup: int, device: torch.device) -> dict:
-    """Median seconds of each ``steps[name]()``, timed round-robin so that machine load hits all alike.
-
-    Timing one workload after another lets a burst of load on a shared machine land on a single
-    ``L`` (we saw ``t_v(2) > t_v(3)`` that way); interleaving spreads it over every workload.
-    """
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    times = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            synchronize()
-            start = time.perf_counter()
-            step()
-            synchronize()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def _cached_step(model, context_ids: torch.Tensor, num_new: int):
     """A callable running one forward over ``num_new`` tokens on top of a KV cache of ``context_ids``."""
     cache = model(context_ids, use_cache=True).cache
@@ -214,7 +191,7 @@ def calibrate_cost_model(
     with torch.inference_mode():
         steps = {length: _cached_step(target, context_ids, length + 1) for length in range(max_window + 1)}
         steps["drafter"] = _drafter_step(drafter, target, context_ids)
-        seconds = _interleaved_medians(steps, repeats, warmup, device)
+        seconds = interleaved_medians(steps, repeats, warmup, device)
     verify = [seconds[length] for length in range(max_window + 1)]
     drafter_step = seconds["drafter"]
     description = (
