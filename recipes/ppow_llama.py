@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -108,6 +109,13 @@ class PPOWScriptArguments:
         kd_save_steps (`int`, *optional*, defaults to `0`):
             Checkpoint the KD warm start every this many steps in `<output_dir>/kd`, and resume from the latest
             checkpoint there when the recipe is run again (long runs); 0 keeps no checkpoint.
+        serving_calibration_prompts (`str`, *optional*):
+            Prompts of the domain you will serve (`mtbench`, `code`, `sharegpt-test` or a JSONL file of prompts): the
+            target answers them (`max_new_tokens` each) and the served rules are calibrated on those answers instead of
+            the held-out training responses, which predict acceptance on the training distribution. Prompts that the
+            evaluation uses (`eval_prompts`) are left out, so the evaluation stays held out.
+        num_serving_calibration_prompts (`int`, *optional*, defaults to `16`):
+            How many of those prompts (a seeded sample of the ones the evaluation does not use).
         eval_prompts (`str`, *optional*, defaults to `"mtbench"`):
             Held-out prompts of the tau/speedup evaluation: `mtbench`, `sharegpt-test` or a JSONL file.
         num_eval_prompts (`int`, *optional*, defaults to `4`):
@@ -157,6 +165,10 @@ class PPOWScriptArguments:
     kd_learning_rate: float = field(default=5e-4, metadata={"help": "KD learning rate."})
     kd_batch_size: int = field(default=8, metadata={"help": "KD sequences per process and step."})
     kd_save_steps: int = field(default=0, metadata={"help": "KD checkpoint interval (0 = none); resumes from the last."})
+    serving_calibration_prompts: str | None = field(default=None, metadata={
+        "help": "Calibrate the served rules on the target's answers to these prompts (mtbench | code | sharegpt-test | "
+                "path.jsonl; evaluation prompts left out); default: the held-out training responses."})
+    num_serving_calibration_prompts: int = field(default=16, metadata={"help": "Prompts of serving_calibration_prompts."})
     eval_prompts: str = field(default="mtbench", metadata={"help": "mtbench | sharegpt-test | path.jsonl"})
     num_eval_prompts: int = field(default=4, metadata={"help": "Evaluation prompts (0 = no evaluation)."})
     serve_with_lookup: bool = field(default=True, metadata={
@@ -183,6 +195,9 @@ class PPOWScriptArguments:
         if self.kd_steps < 0 or self.kd_batch_size < 1 or self.kd_save_steps < 0 or self.kd_learning_rate <= 0:
             raise ValueError(f"kd_steps and kd_save_steps must be >= 0, kd_batch_size >= 1 and kd_learning_rate > 0; "
                              f"got {self.kd_steps}, {self.kd_save_steps}, {self.kd_batch_size}, {self.kd_learning_rate}.")
+        if self.serving_calibration_prompts is not None and self.num_serving_calibration_prompts < 1:
+            raise ValueError("num_serving_calibration_prompts must be >= 1 with serving_calibration_prompts, got "
+                             f"{self.num_serving_calibration_prompts}.")
         if self.num_train_prompts < 2:
             raise ValueError(f"num_train_prompts must be >= 2 (training and calibration), got {self.num_train_prompts}.")
 
@@ -252,6 +267,8 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     vocab = len(tokenizer)
 
     prompts = load_prompts(script_args.train_prompts, num_samples=script_args.num_train_prompts, seed=training_args.seed)
+    serving_prompts = (serving_calibration_prompts(script_args, training_args.seed, trained=prompts)
+                       if script_args.serving_calibration_prompts else None)  # a bad source fails before any work
     # Under `accelerate launch` every process regenerates its share of the chunks (cached, resumable), then all load
     # every shard: the data costs 1/N of the time on N processes.
     data = build_target_responses(target, tokenizer, prompts, max_new_tokens=script_args.max_new_tokens,
@@ -260,6 +277,15 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     train_data = data.select(range(len(data) - num_calibration))
     calibration_data = data.select(range(len(data) - num_calibration, len(data)))
     logger.info("%d target responses for training, %d held out for calibration", len(train_data), len(calibration_data))
+    # The served rules' calibration data: the held-out training responses, or the target's answers to prompts of the
+    # serving domain (acceptance, and so the predicted speedup, depends on the domain).
+    serving_data, calibrated_on = calibration_data, f"{len(calibration_data)} held-out {script_args.train_prompts} responses"
+    if serving_prompts is not None:
+        serving_data = build_target_responses(target, tokenizer, serving_prompts, max_new_tokens=script_args.max_new_tokens,
+                                              batch_size=8, seed=training_args.seed, cache_dir=cache / "responses")
+        calibrated_on = (f"the target's responses to {len(serving_data)} {script_args.serving_calibration_prompts} prompts "
+                         "(none of them evaluated)")
+    logger.info("The served rules are calibrated on %s", calibrated_on)
 
     family = get_family(script_args.drafter_type)  # what the drafter is: built, trained, saved by its family
     draft_vocab = None
@@ -316,8 +342,8 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     standalone = copy.deepcopy(unwrapped).merge_and_unload() if hasattr(unwrapped, "merge_and_unload") else unwrapped
     # The served rule is decided on the drafter as served (merged, eval mode), on this machine's measured costs:
     # K = 0 unless a rule is predicted to pay by served_min_speedup, else (K, h) with the online guard. Every save below carries it.
-    serving = serve_for_the_drafter_as_saved(trainer, standalone, calibration_data, training_args)
-    hybrid = (serve_with_lookup(trainer, standalone, serving, calibration_data, training_args)
+    serving = serve_for_the_drafter_as_saved(trainer, standalone, serving_data, training_args)
+    hybrid = (serve_with_lookup(trainer, standalone, serving, serving_data, training_args)
               if script_args.serve_with_lookup and serving is not None else None)
 
     # Adapter (or drafter) + the served window policy + cost model + custom_generate/ for assistant_model=.
@@ -338,8 +364,8 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         summary = evaluate_drafter(target, tokenizer, standalone, trainer, script_args, training_args)
         served = evaluate_served(serving, target, tokenizer, trainer, script_args, training_args, hybrid)
         if served:  # the side-by-side figures, next to the drafter they were measured with
-            save_json({k: v for k, v in served.items() if k != "table"}, training_args.output_dir,
-                      "ppow_served_evaluation.json")
+            save_json({"calibrated_on": calibrated_on, **{k: v for k, v in served.items() if k != "table"}},
+                      training_args.output_dir, "ppow_served_evaluation.json")
         trainer.model_card_info = {
             "target": script_args.target_model,
             "drafter": family.describe(drafter) + _source_suffix(script_args),
@@ -358,6 +384,28 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     if training_args.push_to_hub:
         trainer.push_to_hub()
     return trainer
+
+
+def serving_calibration_prompts(script_args, seed: int, trained=()):
+    """The prompts whose target responses calibrate the served rules (``serving_calibration_prompts``): a seeded sample
+    of ``num_serving_calibration_prompts`` among those of the source that neither the evaluation nor training (the
+    prompts ``trained``) uses, compared by their messages, so that the evaluated prompts stay held out and the
+    prediction is not made on text the drafter learnt. A source with too few left is an error, before any work."""
+    source = script_args.serving_calibration_prompts
+    prompts = _named("serving_calibration_prompts", source, lambda: load_prompts(source))
+    used = [row["messages"] for row in trained]
+    if script_args.num_eval_prompts:
+        used += [row["messages"] for row in load_prompts(script_args.eval_prompts,
+                                                         num_samples=script_args.num_eval_prompts, seed=seed)]
+    used = {json.dumps(messages, sort_keys=True) for messages in used}
+    keep = [i for i, row in enumerate(prompts) if json.dumps(row["messages"], sort_keys=True) not in used]
+    if len(keep) < script_args.num_serving_calibration_prompts:
+        raise ValueError(f"--serving_calibration_prompts {source!r} has {len(keep)} prompts that the evaluation and "
+                         "training do not use, "
+                         f"fewer than num_serving_calibration_prompts = {script_args.num_serving_calibration_prompts}: "
+                         "ask for fewer, or give a larger prompt file.")
+    order = torch.randperm(len(keep), generator=torch.Generator().manual_seed(seed)).tolist()
+    return prompts.select(sorted(keep[i] for i in order[:script_args.num_serving_calibration_prompts]))
 
 
 def calibrate_served_rule(trainer, drafter, runtime, calibration_data, training_args):

@@ -54,14 +54,24 @@ def tiny_pipeline_args(tmp_path, target_dir) -> list[str]:
     ]
 
 
-def test_pipeline_runs_on_tiny_models(tmp_path):
+def test_pipeline_runs_on_tiny_models(tmp_path, monkeypatch):
     target_dir = tmp_path / "target"
     make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5).save_pretrained(target_dir)
     make_tiny_tokenizer().save_pretrained(target_dir)
-    args = tiny_pipeline_args(tmp_path, target_dir) + ["--draft_vocab_size", "40"]
+    serving_prompts = write_prompts(tmp_path / "serving.jsonl", 5, 2)
+    args = tiny_pipeline_args(tmp_path, target_dir) + ["--draft_vocab_size", "40", "--serving_calibration_prompts",
+                                                       str(serving_prompts), "--num_serving_calibration_prompts", "3"]
     script, training, model = ppow_llama.make_parser().parse_args_and_config(args=args)
+    calibrated = []  # the responses each served rule is calibrated on
+    real_contexts = ppow_llama.held_out_contexts
+    monkeypatch.setattr(ppow_llama, "held_out_contexts",
+                        lambda prompt_ids, *a: calibrated.append(len(prompt_ids)) or real_contexts(prompt_ids, *a))
     trainer = ppow_llama.main(script, training, model)
     out = tmp_path / "out"
+    # both served rules (the drafter's and the hybrid's) on the 3 serving-domain responses, not the 2 held-out ones
+    assert calibrated == [3, 3]
+    evaluation = json.loads((out / "ppow_served_evaluation.json").read_text())
+    assert evaluation["calibrated_on"].startswith(f"the target's responses to 3 {serving_prompts} prompts")
     for name in ("adapter_config.json", "ppow_window_policy.json", "ppow_cost_model.json", "README.md"):
         assert (out / name).exists(), name
     card = (out / "README.md").read_text()
@@ -293,3 +303,29 @@ def test_gguf_export_carries_the_served_rule_for_llama_cpp(tmp_path):
     assert json.loads((folder / "ppow_window_policy.json").read_text()) == json.loads(
         (tmp_path / "out" / "ppow_window_policy.json").read_text())
     assert load_gguf_drafter(folder / "drafter-f32.gguf").config.num_hidden_layers == 1
+
+
+def test_serving_calibration_prompts_leave_out_the_evaluated_and_trained_ones(tmp_path):
+    source = write_prompts(tmp_path / "domain.jsonl", 12, 3)
+    rows = [json.loads(line) for line in source.read_text().splitlines()]
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(row) for row in rows[:2]) + "\n")
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(row) for row in rows[2:5]) + "\n")
+    args = ["--output_dir", str(tmp_path / "out"), "--report_to", "none", "--serving_calibration_prompts", str(source),
+            "--eval_prompts", str(tmp_path / "eval.jsonl"), "--num_eval_prompts", "2"]
+    trained = ppow_llama.load_prompts(str(tmp_path / "train.jsonl"))
+    used = {row["prompt"] for row in rows[:5]}
+    for count in (5, 7):
+        script, training, _ = ppow_llama.make_parser().parse_args_and_config(
+            args=args + ["--num_serving_calibration_prompts", str(count)])
+        chosen = ppow_llama.serving_calibration_prompts(script, training.seed, trained=trained)
+        texts = [row["messages"][-1]["content"] for row in chosen]
+        assert len(texts) == len(set(texts)) == count and not set(texts) & used
+        again = ppow_llama.serving_calibration_prompts(script, training.seed, trained=trained)
+        assert [row["messages"] for row in again] == [row["messages"] for row in chosen]  # seeded
+    # 12 prompts, 5 used: asking for 8 fails before any work, saying what to do
+    script, training, _ = ppow_llama.make_parser().parse_args_and_config(args=args + ["--num_serving_calibration_prompts", "8"])
+    with pytest.raises(ValueError, match="has 7 prompts that the evaluation and training do not use, fewer than "
+                                         "num_serving_calibration_prompts = 8: ask for fewer"):
+        ppow_llama.serving_calibration_prompts(script, training.seed, trained=trained)
+    with pytest.raises(ValueError, match="num_serving_calibration_prompts must be >= 1"):
+        ppow_llama.make_parser().parse_args_and_config(args=args + ["--num_serving_calibration_prompts", "0"])

@@ -33,6 +33,14 @@ COMMAND = "python tools/render_numbers.py"
 # The README's table: compiled_serving.json's runs at this thread count.
 README_SOURCE, README_THREADS = "compiled_serving.json", 1
 COMPILED_SERVING_HEADING = "Compiled serving"
+# Runs of benchmarks/compiled_serving.py kept in files of their own: heading suffix, and why the run is separate.
+COMPILED_SERVING_SEPARATE_RUNS = {
+    "compiled_serving_2threads_hybrid.json": (
+        "with the hybrid", "kept apart so that the earlier rows at this thread count stay as they were."),
+    "compiled_serving_xeon_amx.json": (
+        "on an Intel Xeon with AMX", "a second machine, with AMX (bf16 and int8 matrix tiles); ratios compare only "
+        "within one machine and one run."),
+}
 
 
 class MarkerError(ValueError):
@@ -463,16 +471,18 @@ def compiled_serving(results: Path):
         count_ = re.sub(r"\D", "", threads_key)
         sections.append((f"{COMPILED_SERVING_HEADING} at {threads_text(int(count_))}",
                          _compiled_serving_runs(data, threads_key, runs)))
-    hybrid = results / "compiled_serving_2threads_hybrid.json"
-    if hybrid.is_file():
-        extra = load(hybrid)
+    for name, (suffix, why) in COMPILED_SERVING_SEPARATE_RUNS.items():
+        if not (results / name).is_file():
+            continue
+        extra = load(results / name)
         for threads_key, runs in _threads_groups(extra).items():
             count_ = re.sub(r"\D", "", threads_key)
-            sections.append((f"{COMPILED_SERVING_HEADING} at {threads_text(int(count_))} with the hybrid",
-                             [f"A separate run (`{RESULTS.as_posix()}/{hybrid.name}`), so that the earlier rows at this "
-                              "thread count stay as they were.", "", *_compiled_serving_runs(extra, threads_key, runs)]))
-    sections[-1][1].extend(plots(results, ["compiled_serving.png", "compiled_serving_2threads_hybrid.png"])
-                           + script_tables(results, ["compiled_serving.md", "compiled_serving_2threads_hybrid.md"]))
+            sections.append((f"{COMPILED_SERVING_HEADING} at {threads_text(int(count_))} {suffix}",
+                             [f"A separate run (`{RESULTS.as_posix()}/{name}`): {why}", "",
+                              *_compiled_serving_runs(extra, threads_key, runs)]))
+    names = ["compiled_serving", *(Path(name).stem for name in COMPILED_SERVING_SEPARATE_RUNS)]
+    sections[-1][1].extend(plots(results, [f"{name}.png" for name in names])
+                           + script_tables(results, [f"{name}.md" for name in names]))
     return sections
 
 
@@ -1313,7 +1323,7 @@ SECTIONS = [
     ("The machine and its costs", cost_model, ["cost_model.json"]),
     ("The machine and its costs", compiled_runtime_settings, ["compiled_runtime_settings.json"]),
     ("The machine and its costs", row_independence, ["row_independence.json"]),
-    ("Serving", compiled_serving, ["compiled_serving.json", "compiled_serving_2threads_hybrid.json"]),
+    ("Serving", compiled_serving, ["compiled_serving.json", *COMPILED_SERVING_SEPARATE_RUNS]),
     ("Serving", main_job_compiled, ["main_job_compiled.json"]),
     ("Serving", shipped_drafter, ["speedup.json", "speedup_served.json", "speedup_served_code.json"]),
     ("Serving", bench_methods, ["bench_*.json"]),
