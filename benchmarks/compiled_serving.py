@@ -11,7 +11,9 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
 - ``compiled_plain[<precision>]`` and ``compiled_speculative[<drafter>@<precision>]`` for each precision of
   ``--precisions`` beyond fp32 (default ``int8``; ``ppow_trl.serving.precision``): the target converted, compiled,
   the rule calibrated again on that runtime; lossless is counted against plain decoding at that precision, and
-  "= eager" against fp32 eager decoding;
+  "= eager" against fp32 eager decoding. The drafter keeps its own precision there, unless ``--drafter-precision
+  target``: then each row's drafter runs at its target's precision (``serving_runtime(drafter_precision=...)``),
+  which changes its cost per step and its acceptance, not the output;
 - ``compiled_speculative[<drafter>]``: the loop with a drafter and the rule ``calibrate_for_serving`` chooses on the
   compiled runtime's measured costs (the main job's drafter, prompt lookup, and the hybrid of the two:
   ``ppow_trl.drafters.hybrid``, the looked-up token where the text repeats, the drafter's elsewhere); when that rule is K = 0
@@ -63,7 +65,8 @@ def run_settings(args) -> dict:
     return {"mtbench": args.mtbench, "code": args.code, "max_new_tokens": args.max_new_tokens,
             "max_window": args.max_window, "drafter": str(args.drafter), "precisions": sorted(args.precisions),
             "skip_hf_compiled": args.skip_hf_compiled, "skip_llama_cpp": args.skip_llama_cpp,
-            "served_min_speedup": SERVED_MIN_SPEEDUP}
+            "served_min_speedup": SERVED_MIN_SPEEDUP,
+            **({"drafter_precision": args.drafter_precision} if args.drafter_precision != "own" else {})}
 
 
 def run_state_dir(args, threads: int) -> Path:
@@ -167,7 +170,8 @@ def child(args) -> dict:
         for name, drafter in drafters.items():
             started = time.perf_counter()
             runtime = serving_runtime(converted, drafter, runtime="compiled", max_window=K,
-                                      max_cache_len=MAX_CACHE_LEN, precision=precision)
+                                      max_cache_len=MAX_CACHE_LEN, precision=precision,
+                                      drafter_precision=precision if args.drafter_precision == "target" else None)
             compile_s += time.perf_counter() - started
             policy = calibrate(f"{name}@{precision}", drafter, runtime)
             if name == "ppow":
@@ -362,6 +366,8 @@ def main() -> int:
     parser.add_argument("--skip-llama-cpp", action="store_true", help="leave out the llama.cpp rows")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "int8"], choices=["fp32", "bf16", "int8"],
                         help="target precisions served side by side (fp32 always)")
+    parser.add_argument("--drafter-precision", choices=["own", "target"], default="own",
+                        help="the drafters of a converted target's rows: as loaded (own) or at the target's precision")
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -386,7 +392,8 @@ def main() -> int:
                    "--code", str(args.code), "--max-new-tokens", str(args.max_new_tokens), "--max-window",
                    str(args.max_window), "--drafter", args.drafter] + (["--skip-hf-compiled"] if args.skip_hf_compiled else []) + (
                       ["--skip-llama-cpp"] if args.skip_llama_cpp else []) + [
-                      "--precisions", *args.precisions] + (["--fresh"] if args.force else [])
+                      "--precisions", *args.precisions, "--drafter-precision", args.drafter_precision] + (
+                      ["--fresh"] if args.force else [])
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
         if done.returncode:

@@ -437,6 +437,7 @@ def serve_for_the_drafter_as_saved(trainer, drafter, calibration_data, training_
         # are loaded, not compiled; the trained drafter has other weights, so its packages are built here.
         serving = serving_runtime(trainer.target, drafter.eval(), runtime=training_args.runtime,
                                   max_window=training_args.max_window, precision=training_args.serving_precision,
+                                  drafter_precision=training_args.drafter_serving_precision,
                                   settings=training_args.compile_settings())
         logger.info("Serving runtime: %s", serving.describe())
         result = list(calibrate_served_rule(trainer, drafter, serving, calibration_data, training_args))

@@ -171,8 +171,44 @@ def test_compiled_verify_rows_are_bitwise_the_decode_steps(models):
     random Llama's fp32 rows differed by 1e-4.)"""
     _, _, compiled = models
     assert "row-independent" in compiled.settings.label()
+    assert not compiled.uniform_rows  # the warm-up's check found every graph's rows equal to the decode step's
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(5))
     assert _rows_differing_from_one_row_at_a_time(compiled, ids, prefix=17) == [0] * (MAX_ROWS - 1)
+
+
+def test_where_a_graph_computes_other_bits_every_call_runs_the_largest_graph_and_stays_lossless(models, monkeypatch,
+                                                                                                caplog):
+    """A machine where inductor picks another kernel for one row count (the AMX int8 GEMM from 5 rows on), simulated
+    by a 3-row graph whose logits are off in the last bits: the warm-up's check finds it, every call then runs the
+    largest graph (padding rows cropped back), and greedy speculative decoding gives plain decoding's tokens."""
+    from types import SimpleNamespace
+
+    target, close, compiled = models
+    real_call = compiled._call_compiled
+    rows_called = []
+
+    def call(input_ids, position_ids, cache):
+        rows_called.append(input_ids.shape[1])
+        out = real_call(input_ids, position_ids, cache)
+        if input_ids.shape[1] == 3:
+            out.logits = out.logits + 1e-3 * torch.rand(out.logits.shape, generator=torch.Generator().manual_seed(0))
+        return out
+
+    monkeypatch.setattr(compiled, "_call_compiled", call)
+    try:
+        assert compiled._differing_row_counts() == [3]
+        with caplog.at_level("WARNING"):
+            compiled._check_row_independence()
+        assert compiled.uniform_rows and f"every call now runs the {MAX_ROWS}-row graph" in caplog.text
+        assert "still differ" not in caplog.text and f"every call on the {MAX_ROWS}-row graph" in compiled.label()
+        rows_called.clear()
+        for seed in range(3):
+            _, plain, fast = _plain_and_speculative(SimpleNamespace(target=compiled, drafter=close), seed)
+            assert fast.tau > 1.0 and fast.new_tokens == plain.new_tokens
+        assert set(rows_called) == {MAX_ROWS}  # one-token steps and verify passes alike
+    finally:
+        compiled.uniform_rows = False
+        compiled.new_cache()
 
 
 def test_a_one_token_step_on_the_padded_2_row_graph_is_bitwise_its_own_and_leaves_one_position(models):

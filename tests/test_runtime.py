@@ -90,3 +90,34 @@ def test_loop_overhead_is_the_host_work_the_forwards_do_not_explain(models, monk
     assert cost.plain_overhead < quiet[0] + 0.3 * delay / t_t
     with pytest.raises(ValueError, match="n1 < n2"):
         measure_loop_overhead(target, close, cost, 2, tokens=(8, 8))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_drafter_served_at_another_precision_proposes_from_a_converted_copy_and_changes_no_token(models, precision):
+    """``drafter_precision``: the served drafter (alone, and inside the hybrid) is a converted copy, the models given
+    stay as they are, and greedy speculative decoding still gives the fp32 target's plain tokens: the target decides
+    every token, so the drafter's precision moves only tau."""
+    from ppow_trl.drafters.hybrid import hybrid_drafter
+    from ppow_trl.serving.generation import speculative_generate
+    from ppow_trl.serving.precision import precision_of
+    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+
+    target, close = models
+    served = serving_runtime(target, close, runtime="eager", max_window=3, drafter_precision=precision)
+    assert served.target is target and served.drafter is not close
+    assert precision_of(served.drafter) == precision and precision_of(close) == precision_of(target) == "fp32"
+    assert served.drafter_precision == precision and f"drafter {precision}" in served.describe()
+    hybrid = hybrid_drafter(close, target)
+    served_hybrid = serving_runtime(target, hybrid, runtime="eager", max_window=3, drafter_precision=precision)
+    assert precision_of(served_hybrid.drafter.drafter) == precision and hybrid.drafter is close
+    taus = []
+    for seed in range(3):
+        ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(seed))
+        plain = speculative_generate(target, close, ids, policy=AdaptiveWindowPolicy(max_window=0), max_new_tokens=24)
+        fast = speculative_generate(served.target, served.drafter, ids, policy=AdaptiveWindowPolicy(max_window=3),
+                                    max_new_tokens=24)
+        assert torch.equal(fast.sequences, plain.sequences)
+        taus.append(fast.tau)
+    assert max(taus) > 1.0  # the converted drafter was accepted: the comparison ran speculative rounds
+    with pytest.raises(ValueError, match="precision must be one of"):
+        serving_runtime(target, close, runtime="eager", max_window=2, drafter_precision="fp8")

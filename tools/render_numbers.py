@@ -378,6 +378,9 @@ def _compiled_serving_runs(data: dict, threads_key: str, run_names: list[str]) -
     if meta.get("drafter"):
         lines += [f"Drafter (`compiled_speculative[ppow]`, and the hybrid's trained half): `{meta['drafter']}`; "
                   f"{meta.get('max_new_tokens', '-')} new tokens per prompt, greedy, batch 1.", ""]
+    if (meta.get("settings") or {}).get("drafter_precision") == "target":
+        lines += ["The drafters of the `@bf16` and `@int8` rows ran at their target's precision "
+                  "(`--drafter-precision target`); the fp32 rows' drafters in fp32.", ""]
     for run in run_names:
         block = data["runs"][run]
         prompt_set = run.split("/", 1)[1]

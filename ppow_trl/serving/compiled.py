@@ -104,6 +104,10 @@ class CompiledCausalLM(torch.nn.Module):
         # The graph a one-token step runs: its own (1), or the 2-row graph with a padding row (2), whose row 0 is
         # bitwise the 1-row graph's (row-independent graphs) and ran 20% faster on one machine; None: measured.
         self.decode_rows = decode_rows
+        # Every call on the max_rows graph (padding rows cropped back): set at the warm-up when some graph's rows were
+        # not bitwise the one-token step's on this machine (``_differing_row_counts``), so that speculation stays
+        # lossless whatever kernels inductor chose per shape.
+        self.uniform_rows = False
         self.model = model.eval()
         self.max_rows, self.max_cache_len = int(max_rows), int(max_cache_len)
         self.settings = settings or CompileSettings()
@@ -153,6 +157,8 @@ class CompiledCausalLM(torch.nn.Module):
         label = self.settings.label()
         if self.settings.packaged and not self.packaged:
             label = label.replace("packaged", "torch.compile (packaging failed)")
+        if self.uniform_rows:
+            label += f", every call on the {self.max_rows}-row graph"
         return label
 
     # --- everything else the serving loop reads (config, generation_config, get_output_embeddings, ...) -----------
@@ -218,18 +224,29 @@ class CompiledCausalLM(torch.nn.Module):
             position_ids = (torch.arange(length, length + rows, device=input_ids.device).unsqueeze(0)
                             if position_ids is None
                             else position_ids.reshape(1, rows).clone(memory_format=torch.contiguous_format))
-            padded = rows == 1 and self.decode_rows == 2 and length + 2 <= self.max_cache_len
-            if padded:  # the padding row writes position length + 1, cropped away below as a rejected draft is
-                input_ids, position_ids = input_ids.repeat(1, 2), torch.cat([position_ids, position_ids + 1], 1)
+            graph_rows = self._graph_rows(rows)
+            extra = graph_rows - rows if length + graph_rows <= self.max_cache_len else 0
+            if extra:  # padding rows repeat the last token at the next positions, cropped away as rejected drafts are
+                steps = torch.arange(1, extra + 1, device=input_ids.device).unsqueeze(0)
+                input_ids = torch.cat([input_ids, input_ids[:, -1:].repeat(1, extra)], 1)
+                position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], 1)
             out = self._call_compiled(input_ids, position_ids, cache)
-            if padded:
-                cache.crop(-1)
-                out.logits = out.logits[:, :1]
+            if extra:
+                cache.crop(-extra)
+                out.logits = out.logits[:, :rows]
         if 0 < logits_to_keep < rows:
             # One graph per row count computes every row's logits: with the C++ GEMM template the lm head costs
             # about the same for 1 to 3 rows, and a graph per (rows, kept) pair would double the compile time.
             out.logits = out.logits[:, -logits_to_keep:]
         return out
+
+    def _graph_rows(self, rows: int) -> int:
+        """The graph a call of ``rows`` rows runs: ``max_rows`` when ``uniform_rows``, the 2-row graph for a one-token
+        step when ``decode_rows == 2``, else its own. Padding rows come after the real ones, which attend causally and
+        so never read them."""
+        if self.uniform_rows:
+            return self.max_rows
+        return 2 if rows == 1 and self.decode_rows == 2 else rows
 
     def _attention(self):
         """The attention the graphs are traced with: padded to ``max_rows`` rows when ``settings.row_independent``."""
@@ -325,6 +342,8 @@ class CompiledCausalLM(torch.nn.Module):
             self._warm_every_row_count(progress)
         if self.decode_rows is None:
             self.decode_rows = self._faster_decode_rows()
+        if self.settings.row_independent and self.max_rows > 1:
+            self._check_row_independence()
         self.warm = True
         self.compile_seconds = time.perf_counter() - started
         logger.info("Compiled %d shapes in %.0f s (inductor cache %s)", self.max_rows, self.compile_seconds,
@@ -355,6 +374,47 @@ class CompiledCausalLM(torch.nn.Module):
                     one * 1e3, two * 1e3, "padding" if two < margin * one else "its own graph")
         self.new_cache()
         return 2 if two < margin * one else 1
+
+    def _check_row_independence(self) -> None:
+        """Lossless speculation needs every row of an ``L``-row call bitwise equal to the one-token step's at that
+        position. The row-independent settings give that where inductor runs one kernel for every row count, but it
+        chooses kernels per shape: on a CPU with AMX, its int8 weight-only GEMM takes the AMX micro-kernel from 5 rows
+        on and an AVX-512 one below (``skip_amx_kernel_for_woq``), and a 5-token verify then differed from decode steps
+        (SmolLM2 int8 at K = 4: speculation equalled plain decoding on 4 of 16 prompts). So the graphs are checked
+        here, and where some row count differs, every call runs the ``max_rows`` graph (``uniform_rows``): the same
+        kernels for every row, at the cost of that graph's time per step."""
+        differing = self._differing_row_counts()
+        if not differing:
+            return
+        self.uniform_rows = True
+        still = self._differing_row_counts()
+        logger.warning("On this machine the compiled %d-row graph%s of %s computed rows that differ in their last bits "
+                       "from the one-token step's (inductor chose other kernels for that shape); every call now runs "
+                       "the %d-row graph so that speculative decoding stays lossless%s.",
+                       differing[0], "s" if len(differing) > 1 else "", type(self.model).__name__, self.max_rows,
+                       "" if not still else f" (rows still differ for {still}: speculation may not be lossless here)")
+
+    def _differing_row_counts(self, context: int = 24, seed: int = 0) -> list[int]:
+        """Row counts ``L`` whose call, as ``forward`` runs it, scores some position differently (in any bit) from
+        one-token steps over the same cache: a seeded random context, then ``max_rows`` positions each way."""
+        if self.max_cache_len < context + 2 * self.max_rows:
+            return []
+        vocab = int(getattr(self.model.config, "vocab_size", 2))
+        ids = torch.randint(0, vocab, (1, context + self.max_rows), generator=torch.Generator().manual_seed(seed))
+        ids = ids.to(self.model.device)
+        cache = self.new_cache()
+        with torch.no_grad():
+            self.model(input_ids=ids[:, :context], cache=cache, use_cache=True)
+            steps = [self(input_ids=ids[:, i:i + 1], cache=cache).logits[0, -1] for i in range(context, ids.shape[1])]
+            cache.crop(-self.max_rows)
+            differing = []
+            for rows in range(2, self.max_rows + 1):
+                logits = self(input_ids=ids[:, context:context + rows], cache=cache).logits[0]
+                if any(not torch.equal(logits[r], steps[r]) for r in range(rows)):
+                    differing.append(rows)
+                cache.crop(-rows)
+        self.new_cache()
+        return differing
 
     def _warm_every_row_count(self, progress: bool) -> None:
         """Run each row count once over the static cache (compiling, building or loading its graph), a bar per shape."""

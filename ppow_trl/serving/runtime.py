@@ -12,7 +12,10 @@ through it: the costs a rule is chosen on are the costs of the runtime that serv
 - ``"eager"``: the models as they are.
 
 ``precision`` (``"fp32"``, ``"bf16"``, ``"int8"``: ``ppow_trl.serving.precision``) converts a copy of the target
-before either runtime: fewer bytes read per token. The drafter keeps its own precision.
+before either runtime: fewer bytes read per token. The drafter keeps its own precision unless ``drafter_precision``
+names one (a converted copy of a causal-LM drafter, the hybrid's included): the drafter only proposes and the target
+decides every token, so its precision changes which tokens are accepted (tau) and what a draft step costs
+(``t_d``), never the output.
 
 When compiling is not possible (no C++ compiler, a model inductor cannot trace, a failed warm-up), one warning line
 says why and the models serve eagerly: a user gets a slower answer, never a crash. ``ServingRuntime.name`` then says
@@ -59,6 +62,7 @@ class ServingRuntime:
     settings: str = ""
     fallback: str | None = None
     precision: str = "fp32"
+    drafter_precision: str | None = None
 
     @property
     def verifier(self):
@@ -66,7 +70,8 @@ class ServingRuntime:
         return getattr(self.target, "model", self.target) if isinstance(self.target, CompiledCausalLM) else self.target
 
     def describe(self) -> str:
-        precision = "" if self.precision == "fp32" else f", target {self.precision}"
+        precision = ("" if self.precision == "fp32" else f", target {self.precision}") + (
+            f", drafter {self.drafter_precision}" if self.drafter_precision else "")
         if self.name == "compiled":
             return f"compiled (inductor {self.settings}, warm-up {self.compile_seconds:.0f} s{precision})"
         return "eager" + (f" (compiled unavailable: {self.fallback})" if self.fallback else "") + (
@@ -212,32 +217,38 @@ def _reads_target_features(drafter) -> bool:
         return False
 
 
-def _compiled_drafter(drafter, compile):
-    """``drafter`` with ``compile`` applied where its family compiles (``DrafterFamily.with_compiled_models``)."""
+def _with_drafter_models(drafter, convert):
+    """``drafter`` with ``convert`` applied to its causal-LM models, where its family compiles them
+    (``DrafterFamily.with_compiled_models``: the standalone drafter, the hybrid's inner one): compiling, or a precision."""
     if drafter is None or not hasattr(drafter, "parameters"):
         return drafter
     try:
         family = family_of(drafter)
     except (ValueError, TypeError):
         return drafter
-    return family.with_compiled_models(drafter, compile)
+    return family.with_compiled_models(drafter, convert)
 
 
 def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_window: int,
                     max_cache_len: int = DEFAULT_MAX_CACHE_LEN, settings: CompileSettings | None = None,
-                    precision: str = "fp32", progress: bool = True) -> ServingRuntime:
+                    precision: str = "fp32", drafter_precision: str | None = None,
+                    progress: bool = True) -> ServingRuntime:
     """``target`` and ``drafter`` on ``runtime`` (module docstring), the target at ``precision`` (a converted copy
-    unless ``"fp32"``); compiled models are warmed up before returning, so that nothing compiles inside the served
-    loop."""
+    unless ``"fp32"``), the drafter at ``drafter_precision`` (``None``: as it is); compiled models are warmed up before
+    returning, so that nothing compiles inside the served loop."""
     check_runtime(runtime)
     check_precision(precision)
+    if drafter_precision is not None:
+        check_precision(drafter_precision)
+        drafter = _with_drafter_models(drafter, lambda model: serving_precision(model, drafter_precision))
+    precisions = {"precision": precision, "drafter_precision": drafter_precision}
     if not isinstance(max_window, int) or max_window < 0 or max_cache_len < max_window + 2:
         raise ValueError(f"serving_runtime needs an integer max_window >= 0 and max_cache_len > max_window + 1, got "
                          f"max_window={max_window!r}, max_cache_len={max_cache_len!r}.")
     target = serving_precision(target, precision)
     if runtime == "eager":
         _warn_low_precision(precision, drafter)
-        return ServingRuntime(target, drafter, "eager", runtime, precision=precision)
+        return ServingRuntime(target, drafter, "eager", runtime, **precisions)
     reason = compile_unavailable_reason(target, drafter)
     settings = settings or CompileSettings()
     if not settings.row_independent:  # with it the compiled rows are lossless (its eager fallback warns below)
@@ -257,16 +268,16 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
                 warmed.append(compiled.warm_up(progress=progress))
                 return compiled
 
-            compiled_drafter = _compiled_drafter(drafter, compile_drafter)
+            compiled_drafter = _with_drafter_models(drafter, compile_drafter)
             seconds += sum(warmed)
             return ServingRuntime(compiled_target, compiled_drafter, "compiled", runtime, seconds, compiled_target.label(),
-                                  precision=precision)
+                                  **precisions)
         except Exception as error:  # noqa: BLE001 - any failure to compile means: serve eagerly, say why
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
     logger.warning("Compiled runtime unavailable (%s); serving eagerly.", reason)
     if settings.row_independent:  # not warned above
         _warn_low_precision(precision, drafter)
-    return ServingRuntime(target, drafter, "eager", runtime, fallback=reason, precision=precision)
+    return ServingRuntime(target, drafter, "eager", runtime, fallback=reason, **precisions)
 
 
 def _warn_low_precision(precision: str, drafter) -> None:

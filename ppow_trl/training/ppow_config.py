@@ -143,6 +143,11 @@ class PPOWConfig(GRPOConfig):
             (weight-only, per-row scales; fewer bytes read per token). The cost model and the served rule are
             measured on a converted copy of the target; the rewards' target probabilities stay those of the loaded
             target. Lossless means speculative = plain decoding at this precision.
+        drafter_serving_precision (`str`, *optional*):
+            The drafter's precision on that runtime (`"fp32"`, `"bf16"`, `"int8"`; default: as trained). The drafter
+            only proposes, so its precision changes its cost per step and how often it is accepted, never the
+            output; the cost model and the served rule are measured on the converted drafter. Training always uses
+            the drafter as it is.
     """
 
     max_window: int = field(default=8, metadata={"help": "K, the most tokens drafted per window."})
@@ -184,6 +189,8 @@ class PPOWConfig(GRPOConfig):
                                                                    "them in seconds) instead of torch.compile."})
     serving_precision: str = field(default="fp32", metadata={"help": "Target precision when serving: 'fp32', 'bf16' "
                                                                      "or 'int8'."})
+    drafter_serving_precision: str | None = field(default=None, metadata={
+        "help": "Drafter precision when serving: 'fp32', 'bf16' or 'int8' (default: as trained); never changes the output."})
 
     # Defaults that differ from GRPOConfig, with the reason.
     # Drafters are small: activation checkpointing costs time and saves little memory.
@@ -330,6 +337,9 @@ class PPOWConfig(GRPOConfig):
             errors.append(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}.")
         if self.serving_precision not in PRECISIONS:
             errors.append(f"serving_precision must be one of {', '.join(PRECISIONS)}, got {self.serving_precision!r}.")
+        if self.drafter_serving_precision not in (None, *PRECISIONS):
+            errors.append(f"drafter_serving_precision must be one of {', '.join(PRECISIONS)} (or unset), got "
+                          f"{self.drafter_serving_precision!r}.")
         if self.target_quantization not in QUANTIZATIONS:
             errors.append(f"target_quantization must be one of {QUANTIZATIONS}, got {self.target_quantization!r}.")
         if not self.ignore_data_skip:

@@ -230,7 +230,9 @@ class PPOWTrainer(GRPOTrainer):
             drafter = copy.deepcopy(unwrap_model(drafter))
             drafter = (drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter).eval()
         runtime = serving_runtime(self.target, drafter, runtime=self.args.runtime, max_window=self.args.max_window,
-                                  precision=self.args.serving_precision, settings=self.args.compile_settings())
+                                  precision=self.args.serving_precision,
+                                  drafter_precision=self.args.drafter_serving_precision,
+                                  settings=self.args.compile_settings())
         return runtime.measure_cost_model(self.args.max_window, vocab_size=self.vocab_size)
 
     # ------------------------------------------------------------------ sampling of contexts
