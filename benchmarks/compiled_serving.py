@@ -336,9 +336,9 @@ def plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, plot_name: str = "compiled_serving.png") -> str:
     lines = ["# Compiled serving, side by side", "", f"Command: `{results.get('command', '')}`", "",
-             "![speedups](compiled_serving.png)", ""]
+             f"![speedups]({plot_name})", ""]
     for key, run in results["runs"].items():
         meta = results["meta"][key.split("/")[0]]
         lines += [f"## {key}: {run['prompts']} prompts ({run['skipped_too_long']} longer than the static cache "
@@ -407,7 +407,7 @@ def main() -> int:
         report["settings"] = settings  # a rerun with the same settings skips this thread count
         results["meta"][key] = report
         args.out.write_text(json.dumps(results, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(markdown(results))
+        args.out.with_suffix(".md").write_text(markdown(results, args.out.with_suffix(".png").name))
         plot(results, args.out.with_suffix(".png"))
         shutil.rmtree(state, ignore_errors=True)  # in the JSON now: nothing left to resume
     print(args.out.with_suffix(".md").read_text())

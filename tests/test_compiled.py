@@ -405,6 +405,8 @@ def test_serving_runtime_compiles_target_and_standalone_drafter_and_times_them(m
                               progress=False)
     assert runtime.name == "compiled" and runtime.fallback is None
     assert isinstance(runtime.target, CompiledCausalLM) and isinstance(runtime.drafter, CompiledCausalLM)
+    # only the verifier's rows are checked against its decode steps: a drafter's only change what it proposes
+    assert runtime.target.verifies and not runtime.drafter.verifies
     contexts = [torch.randint(8, 64, (12,), generator=torch.Generator().manual_seed(s)) for s in range(4)]
     policy, cost_model, _ = calibrate_for_serving(target, close, contexts, max_window=MAX_ROWS - 1, cost_repeats=3,
                                                   runtime=runtime)

@@ -40,6 +40,9 @@ COMPILED_SERVING_SEPARATE_RUNS = {
     "compiled_serving_xeon_amx.json": (
         "on an Intel Xeon with AMX", "a second machine, with AMX (bf16 and int8 matrix tiles); ratios compare only "
         "within one machine and one run."),
+    "compiled_serving_xeon_amx_low_precision_drafters.json": (
+        "on an Intel Xeon with AMX, drafters at the target's precision",
+        "the same machine, after the warm-up's row check (int8), with each bf16 or int8 row's drafter converted too."),
 }
 
 
@@ -482,6 +485,7 @@ def compiled_serving(results: Path):
             count_ = re.sub(r"\D", "", threads_key)
             sections.append((f"{COMPILED_SERVING_HEADING} at {threads_text(int(count_))} {suffix}",
                              [f"A separate run (`{RESULTS.as_posix()}/{name}`): {why}", "",
+                              *([f"Reading: {extra['reading']}", ""] if extra.get("reading") else []),
                               *_compiled_serving_runs(extra, threads_key, runs)]))
     names = ["compiled_serving", *(Path(name).stem for name in COMPILED_SERVING_SEPARATE_RUNS)]
     sections[-1][1].extend(plots(results, [f"{name}.png" for name in names])

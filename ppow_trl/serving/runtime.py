@@ -264,7 +264,7 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
                 # A drafter reads the tokens of the last round (1 or 2) and drafts one at a time; after a guard pause
                 # it reads more, eagerly. K + 1 row counts keep its graphs the target's.
                 compiled = CompiledCausalLM(model, max_rows=max_window + 1, max_cache_len=max_cache_len,
-                                            settings=settings)
+                                            settings=settings, verifies=False)
                 warmed.append(compiled.warm_up(progress=progress))
                 return compiled
 
