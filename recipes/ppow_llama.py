@@ -283,6 +283,9 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     if serving_prompts is not None:
         serving_data = build_target_responses(target, tokenizer, serving_prompts, max_new_tokens=script_args.max_new_tokens,
                                               batch_size=8, seed=training_args.seed, cache_dir=cache / "responses")
+        if len(serving_data) == 0:  # every prompt over the length limit: say so before training, not after
+            raise ValueError(f"--serving_calibration_prompts {script_args.serving_calibration_prompts!r}: no prompt "
+                             "was short enough to answer; give shorter prompts.")
         calibrated_on = (f"the target's responses to {len(serving_data)} {script_args.serving_calibration_prompts} prompts "
                          "(none of them evaluated)")
     logger.info("The served rules are calibrated on %s", calibrated_on)

@@ -206,6 +206,18 @@ def test_where_a_graph_computes_other_bits_every_call_runs_the_largest_graph_and
             _, plain, fast = _plain_and_speculative(SimpleNamespace(target=compiled, drafter=close), seed)
             assert fast.tau > 1.0 and fast.new_tokens == plain.new_tokens
         assert set(rows_called) == {MAX_ROWS}  # one-token steps and verify passes alike
+        # the cache's last positions, where no padding fits: scored one row at a time whatever the call, so a verify
+        # pass there still equals decode steps (the 3-row graph, off in its last bits, is never run)
+        ids = torch.randint(0, 64, (1, compiled.max_cache_len), generator=torch.Generator().manual_seed(9))
+        prefix = compiled.max_cache_len - 3  # a 3-row call fits, its padding to MAX_ROWS does not
+        with torch.no_grad():
+            cache = compiled.new_cache()
+            compiled(input_ids=ids[:, :prefix], cache=cache)
+            steps = [compiled(input_ids=ids[:, i:i + 1], cache=cache).logits[0, -1] for i in range(prefix, prefix + 3)]
+            crop_cache(cache, prefix)
+            rows_called.clear()
+            verified = compiled(input_ids=ids[:, prefix:prefix + 3], cache=cache).logits[0]
+        assert all(torch.equal(verified[r], steps[r]) for r in range(3)) and 3 not in rows_called
     finally:
         compiled.uniform_rows = False
         compiled.new_cache()

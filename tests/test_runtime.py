@@ -93,7 +93,8 @@ def test_loop_overhead_is_the_host_work_the_forwards_do_not_explain(models, monk
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_a_drafter_served_at_another_precision_proposes_from_a_converted_copy_and_changes_no_token(models, precision):
+def test_a_drafter_served_at_another_precision_proposes_from_a_converted_copy_and_changes_no_token(models, precision,
+                                                                                                   monkeypatch):
     """``drafter_precision``: the served drafter (alone, and inside the hybrid) is a converted copy, the models given
     stay as they are, and greedy speculative decoding still gives the fp32 target's plain tokens: the target decides
     every token, so the drafter's precision moves only tau."""
@@ -119,5 +120,15 @@ def test_a_drafter_served_at_another_precision_proposes_from_a_converted_copy_an
         assert torch.equal(fast.sequences, plain.sequences)
         taus.append(fast.tau)
     assert max(taus) > 1.0  # the converted drafter was accepted: the comparison ran speculative rounds
+    # the served rule's acceptance comes from the drafter as it proposes when served, not the fp32 one given
+    from ppow_trl.serving import rule
+
+    rolled_out = []
+    real_policy = rule.calibrate_policy
+    monkeypatch.setattr(rule, "calibrate_policy",
+                        lambda verifier, drafter, *a, **k: rolled_out.append(drafter) or real_policy(verifier, drafter, *a, **k))
+    contexts = [torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    rule.calibrate_for_serving(target, close, contexts, max_window=2, cost_repeats=2, runtime=served)
+    assert rolled_out == [served.drafter]
     with pytest.raises(ValueError, match="precision must be one of"):
         serving_runtime(target, close, runtime="eager", max_window=2, drafter_precision="fp8")

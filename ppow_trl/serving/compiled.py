@@ -227,28 +227,56 @@ class CompiledCausalLM(torch.nn.Module):
             position_ids = (torch.arange(length, length + rows, device=input_ids.device).unsqueeze(0)
                             if position_ids is None
                             else position_ids.reshape(1, rows).clone(memory_format=torch.contiguous_format))
-            graph_rows = self._graph_rows(rows)
-            extra = graph_rows - rows if length + graph_rows <= self.max_cache_len else 0
-            if extra:  # padding rows repeat the last token at the next positions, cropped away as rejected drafts are
-                steps = torch.arange(1, extra + 1, device=input_ids.device).unsqueeze(0)
-                input_ids = torch.cat([input_ids, input_ids[:, -1:].repeat(1, extra)], 1)
-                position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], 1)
-            out = self._call_compiled(input_ids, position_ids, cache)
-            if extra:
-                cache.crop(-extra)
-                out.logits = out.logits[:, :rows]
+            if self.uniform_rows:
+                out = self._uniform_call(input_ids, position_ids, cache, length)
+            else:
+                out = self._padded_call(input_ids, position_ids, cache, length, self._graph_rows(rows))
         if 0 < logits_to_keep < rows:
             # One graph per row count computes every row's logits: with the C++ GEMM template the lm head costs
             # about the same for 1 to 3 rows, and a graph per (rows, kept) pair would double the compile time.
             out.logits = out.logits[:, -logits_to_keep:]
         return out
 
+    def _padded_call(self, input_ids, position_ids, cache, length: int, graph_rows: int):
+        """The ``graph_rows`` graph on these rows plus padding rows, which repeat the last token at the next positions
+        and are cropped away as rejected drafts are (the rows' own graph where the padding does not fit)."""
+        rows = input_ids.shape[1]
+        extra = graph_rows - rows if length + graph_rows <= self.max_cache_len else 0
+        if extra:
+            steps = torch.arange(1, extra + 1, device=input_ids.device).unsqueeze(0)
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].repeat(1, extra)], 1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], 1)
+        out = self._call_compiled(input_ids, position_ids, cache)
+        if extra:
+            cache.crop(-extra)
+            out.logits = out.logits[:, :rows]
+        return out
+
+    def _uniform_call(self, input_ids, position_ids, cache, length: int):
+        """``uniform_rows``: every position is scored by the ``max_rows`` graph, except the last ``max_rows - 1`` of the
+        cache, where its padding no longer fits: those by the 1-row graph, one at a time. Which graph scores a position
+        then depends on the position alone, not on the call, so plain and speculative decoding agree everywhere."""
+        rows = input_ids.shape[1]
+        head = max(0, min(rows, self.max_cache_len - self.max_rows + 1 - length))
+
+        def part(tensor, start, stop):  # standard strides, as the graphs were traced with
+            return tensor[:, start:stop].clone(memory_format=torch.contiguous_format)
+
+        outs = []
+        if head:
+            outs.append(self._padded_call(part(input_ids, 0, head), part(position_ids, 0, head), cache, length,
+                                          self.max_rows))
+        outs += [self._call_compiled(part(input_ids, i, i + 1), part(position_ids, i, i + 1), cache)
+                 for i in range(head, rows)]
+        out = outs[-1]
+        if len(outs) > 1:
+            out.logits = torch.cat([o.logits for o in outs], dim=1)
+        return out
+
     def _graph_rows(self, rows: int) -> int:
-        """The graph a call of ``rows`` rows runs: ``max_rows`` when ``uniform_rows``, the 2-row graph for a one-token
-        step when ``decode_rows == 2``, else its own. Padding rows come after the real ones, which attend causally and
-        so never read them."""
-        if self.uniform_rows:
-            return self.max_rows
+        """The graph a call of ``rows`` rows runs (without ``uniform_rows``): the 2-row graph for a one-token step when
+        ``decode_rows == 2``, else its own. Padding rows come after the real ones, which attend causally and so never
+        read them."""
         return 2 if rows == 1 and self.decode_rows == 2 else rows
 
     def _attention(self):

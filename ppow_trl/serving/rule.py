@@ -78,7 +78,9 @@ def calibrate_for_serving(
     cost_model = runtime.measure_cost_model(max_window, context_ids=typical.view(1, -1), repeats=cost_repeats,
                                             seed=seed, vocab_size=vocab_size)
     cost_model.description += f"; served drafter (eval, merged); context = median held-out ({len(typical)} tokens)"
-    policy, report = calibrate_policy(runtime.verifier, drafter, contexts, cost_model, max_window=max_window, regime=regime,
+    # acceptance of the drafter as it proposes when served (a converted copy where serving_runtime converted it)
+    proposer = getattr(runtime, "proposer", None) or drafter
+    policy, report = calibrate_policy(runtime.verifier, proposer, contexts, cost_model, max_window=max_window, regime=regime,
                                       temperature=temperature, confidence_temperature=confidence_temperature,
                                       vocab_size=vocab_size, pad_id=pad_id, seed=seed, allow_no_speculation=True,
                                       min_speedup=min_speedup, guard=guard)

@@ -63,6 +63,7 @@ class ServingRuntime:
     fallback: str | None = None
     precision: str = "fp32"
     drafter_precision: str | None = None
+    proposer: object = None  # the drafter at drafter_precision, uncompiled: calibration rollouts run it
 
     @property
     def verifier(self):
@@ -241,7 +242,8 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
     if drafter_precision is not None:
         check_precision(drafter_precision)
         drafter = _with_drafter_models(drafter, lambda model: serving_precision(model, drafter_precision))
-    precisions = {"precision": precision, "drafter_precision": drafter_precision}
+    precisions = {"precision": precision, "drafter_precision": drafter_precision,
+                  "proposer": drafter if drafter_precision is not None else None}
     if not isinstance(max_window, int) or max_window < 0 or max_cache_len < max_window + 2:
         raise ValueError(f"serving_runtime needs an integer max_window >= 0 and max_cache_len > max_window + 1, got "
                          f"max_window={max_window!r}, max_cache_len={max_cache_len!r}.")
