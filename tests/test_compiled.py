@@ -14,6 +14,7 @@ from conftest import make_target_and_drafters
 
 from ppow_trl.serving.compiled import CompiledCausalLM, CompileSettings, compile_cache_dir
 from ppow_trl.serving.generation import greedy_continuation, speculative_generate
+from ppow_trl.serving.row_check import RowPlan, choose_row_plan, split_rows
 from ppow_trl.serving.runtime import compile_unavailable_reason
 from ppow_trl.utils import crop_cache
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
@@ -171,19 +172,14 @@ def test_compiled_verify_rows_are_bitwise_the_decode_steps(models):
     random Llama's fp32 rows differed by 1e-4.)"""
     _, _, compiled = models
     assert "row-independent" in compiled.settings.label()
-    assert not compiled.uniform_rows  # the warm-up's check found every graph's rows equal to the decode step's
+    assert compiled.row_plan == RowPlan()  # the warm-up's check found every graph's rows equal to the decode step's
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(5))
     assert _rows_differing_from_one_row_at_a_time(compiled, ids, prefix=17) == [0] * (MAX_ROWS - 1)
 
 
-def test_where_a_graph_computes_other_bits_every_call_runs_the_largest_graph_and_stays_lossless(models, monkeypatch,
-                                                                                                caplog):
+def _three_row_graph_off_in_its_last_bits(compiled, monkeypatch) -> list[int]:
     """A machine where inductor picks another kernel for one row count (the AMX int8 GEMM from 5 rows on), simulated
-    by a 3-row graph whose logits are off in the last bits: the warm-up's check finds it, every call then runs the
-    largest graph (padding rows cropped back), and greedy speculative decoding gives plain decoding's tokens."""
-    from types import SimpleNamespace
-
-    target, close, compiled = models
+    by a 3-row graph whose logits are off in the last bits; the graphs run are recorded in the list returned."""
     real_call = compiled._call_compiled
     rows_called = []
 
@@ -195,32 +191,95 @@ def test_where_a_graph_computes_other_bits_every_call_runs_the_largest_graph_and
         return out
 
     monkeypatch.setattr(compiled, "_call_compiled", call)
-    try:
-        assert compiled._differing_row_counts() == [3]
-        with caplog.at_level("WARNING"):
-            compiled._check_row_independence()
-        assert compiled.uniform_rows and f"every call now runs the {MAX_ROWS}-row graph" in caplog.text
-        assert "still differ" not in caplog.text and f"every call on the {MAX_ROWS}-row graph" in compiled.label()
+    return rows_called
+
+
+def _speculation_equals_plain_decoding(compiled, close) -> None:
+    from types import SimpleNamespace
+
+    for seed in range(3):
+        _, plain, fast = _plain_and_speculative(SimpleNamespace(target=compiled, drafter=close), seed)
+        assert fast.tau > 1.0 and fast.new_tokens == plain.new_tokens
+
+
+def _verify_at_the_cache_end_equals_decode_steps(compiled, rows_called) -> None:
+    """A 3-row call at the cache's last positions, where no padding fits, still equals decode steps there (the 3-row
+    graph, off in its last bits, is never run)."""
+    ids = torch.randint(0, 64, (1, compiled.max_cache_len), generator=torch.Generator().manual_seed(9))
+    prefix = compiled.max_cache_len - 3  # a 3-row call fits, its padding to MAX_ROWS does not
+    with torch.no_grad():
+        cache = compiled.new_cache()
+        compiled(input_ids=ids[:, :prefix], cache=cache)
+        steps = [compiled(input_ids=ids[:, i:i + 1], cache=cache).logits[0, -1] for i in range(prefix, prefix + 3)]
+        crop_cache(cache, prefix)
         rows_called.clear()
-        for seed in range(3):
-            _, plain, fast = _plain_and_speculative(SimpleNamespace(target=compiled, drafter=close), seed)
-            assert fast.tau > 1.0 and fast.new_tokens == plain.new_tokens
-        assert set(rows_called) == {MAX_ROWS}  # one-token steps and verify passes alike
-        # the cache's last positions, where no padding fits: scored one row at a time whatever the call, so a verify
-        # pass there still equals decode steps (the 3-row graph, off in its last bits, is never run)
-        ids = torch.randint(0, 64, (1, compiled.max_cache_len), generator=torch.Generator().manual_seed(9))
-        prefix = compiled.max_cache_len - 3  # a 3-row call fits, its padding to MAX_ROWS does not
-        with torch.no_grad():
-            cache = compiled.new_cache()
-            compiled(input_ids=ids[:, :prefix], cache=cache)
-            steps = [compiled(input_ids=ids[:, i:i + 1], cache=cache).logits[0, -1] for i in range(prefix, prefix + 3)]
-            crop_cache(cache, prefix)
-            rows_called.clear()
-            verified = compiled(input_ids=ids[:, prefix:prefix + 3], cache=cache).logits[0]
-        assert all(torch.equal(verified[r], steps[r]) for r in range(3)) and 3 not in rows_called
+        verified = compiled(input_ids=ids[:, prefix:prefix + 3], cache=cache).logits[0]
+    assert all(torch.equal(verified[r], steps[r]) for r in range(3)) and 3 not in rows_called
+
+
+@pytest.mark.parametrize("largest_graph_step", ["slower", "no slower"])
+def test_where_a_graph_computes_other_bits_calls_avoid_it_and_speculation_stays_lossless(models, monkeypatch, caplog,
+                                                                                         largest_graph_step):
+    """The warm-up's check finds the 3-row graph. Where the largest graph's one-token step is slower than decoding's
+    own (measured; given here), 3-row calls are split over graphs that agree (2 + 1) and a one-token step keeps its own
+    graph; where it is no slower, every call runs the largest graph. Either way greedy speculative decoding gives plain
+    decoding's tokens, at the cache's end too."""
+    target, close, compiled = models
+    rows_called = _three_row_graph_off_in_its_last_bits(compiled, monkeypatch)
+    decode = compiled._graph_rows(1)
+    largest = 2.0 if largest_graph_step == "slower" else 1.0
+    try:
+        with caplog.at_level("WARNING"):
+            plan = choose_row_plan(compiled, lambda graphs: {g: largest if g == MAX_ROWS else 1.0 for g in graphs})
+        assert "still differ" not in caplog.text and "3-row graph of" in caplog.text
+        rows_called.clear()
+        _speculation_equals_plain_decoding(compiled, close)
+        if largest_graph_step == "slower":
+            assert plan == RowPlan(graphs=(1, 2, 4)) and "split over the 1/2/4-row graphs" in caplog.text
+            assert "3-row calls split" in compiled.label()
+            assert 3 not in rows_called and {decode, 4} <= set(rows_called)  # K = 3 verifies: own graph; steps too
+        else:
+            assert plan == RowPlan(uniform=True) and f"every call now runs the {MAX_ROWS}-row graph" in caplog.text
+            assert f"every call on the {MAX_ROWS}-row graph" in compiled.label()
+            assert set(rows_called) == {MAX_ROWS}  # one-token steps and verify passes alike
+        _verify_at_the_cache_end_equals_decode_steps(compiled, rows_called)
     finally:
-        compiled.uniform_rows = False
+        compiled.row_plan = RowPlan()
         compiled.new_cache()
+
+
+def test_where_every_verify_graph_differs_calls_are_scored_one_row_at_a_time(models, monkeypatch, caplog):
+    """Every graph of 2+ rows off in its last bits: no graph but the decode step's agrees, so every call is scored one
+    row at a time (a verify pass is then decode steps by construction, and the cost model sees that it cannot pay),
+    and the warning says so."""
+    target, close, compiled = models
+    real_call, chosen = compiled._call_compiled, compiled.decode_rows
+
+    def call(input_ids, position_ids, cache):
+        out = real_call(input_ids, position_ids, cache)
+        if input_ids.shape[1] > 1:
+            out.logits = out.logits + 1e-3
+        return out
+
+    monkeypatch.setattr(compiled, "_call_compiled", call)
+    compiled.decode_rows = 1  # a one-token step on its own graph (the padded 2-row graph is off here)
+    try:
+        with caplog.at_level("WARNING"):
+            # the largest graph's step slower than the decode step's: no uniform plan (which would hold here)
+            plan = choose_row_plan(compiled, lambda graphs: {g: 2.0 if g == MAX_ROWS else 1.0 for g in graphs})
+        assert plan == RowPlan(graphs=(1,)) and "one row at a time" in caplog.text and "still differ" not in caplog.text
+        _speculation_equals_plain_decoding(compiled, close)
+    finally:
+        compiled.row_plan, compiled.decode_rows = RowPlan(), chosen
+        compiled.new_cache()
+
+
+def test_split_rows_takes_the_largest_agreeing_graphs_first():
+    assert split_rows(5, (1, 2, 4)) == [4, 1]
+    assert split_rows(3, (1, 2, 4)) == [2, 1]
+    assert split_rows(4, (1,)) == [1, 1, 1, 1]
+    assert split_rows(7, (1, 3)) == [3, 3, 1]
+    assert all(sum(split_rows(n, (1, 2, 5))) == n for n in range(1, 12))
 
 
 def test_a_one_token_step_on_the_padded_2_row_graph_is_bitwise_its_own_and_leaves_one_position(models):

@@ -57,6 +57,18 @@ def test_serving_precision_converts_a_copy_and_keeps_the_fp32_model():
         assert p.dtype == torch.float32 and torch.equal(p, before[name])
     with pytest.raises(ValueError, match="precision must be one of"):
         serving_precision(model, "int4")
+    # a model changed in place after its conversion (a drafter trained further) gets a fresh copy, not the stale one
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    fresh = serving_precision(model, "int8")
+    assert fresh is not int8 and torch.allclose(fresh.lm_head.dequantized_weight(), 2 * int8.lm_head.dequantized_weight())
+    assert serving_precision(model, "int8") is fresh  # unchanged since: shared again
+    # "fp32" means the model as loaded; upcast (a drafter asked for at fp32) makes a float32 copy of a bf16 model
+    assert serving_precision(bf16, "fp32") is bf16
+    upcast = serving_precision(bf16, "fp32", upcast=True)
+    assert precision_of(upcast) == "fp32" and precision_of(bf16) == "bf16"
+    with pytest.raises(ValueError, match="already int8"):
+        serving_precision(int8, "fp32", upcast=True)
 
 
 @pytest.mark.parametrize("precision", ["int8", "bf16"])

@@ -132,3 +132,11 @@ def test_a_drafter_served_at_another_precision_proposes_from_a_converted_copy_an
     assert rolled_out == [served.drafter]
     with pytest.raises(ValueError, match="precision must be one of"):
         serving_runtime(target, close, runtime="eager", max_window=2, drafter_precision="fp8")
+    # fp32 asked for a bf16 drafter: served as a float32 copy; prompt lookup converts nothing, so names no precision
+    bf16_served = serving_runtime(target, close, runtime="eager", max_window=3, drafter_precision="bf16")
+    upcast = serving_runtime(target, bf16_served.drafter, runtime="eager", max_window=3, drafter_precision="fp32")
+    assert precision_of(upcast.drafter) == "fp32" and upcast.drafter_precision == "fp32"
+    from ppow_trl.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
+
+    lookup = serving_runtime(target, PromptLookupDrafter(PromptLookupConfig()), runtime="eager", max_window=3, drafter_precision="bf16")
+    assert lookup.drafter_precision is None and "drafter" not in lookup.describe()

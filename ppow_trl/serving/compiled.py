@@ -32,6 +32,9 @@ How:
   (``ppow_trl.serving.attention``'s attention padded to ``max_rows`` query rows in every graph, inductor's
   ``emulate_precision_casts``); the GEMMs of the linear layers (C++ templates) already gave every row the same bits
   whatever the row count. A verify pass's rows are then bitwise the decode steps'.
+- Inductor still chooses kernels per shape (on an AMX CPU its int8 GEMM switches kernel at 5 rows), so after the
+  warm-up ``ppow_trl.serving.row_check`` checks every graph's rows bitwise against the decode step and, where one
+  differs, splits such calls over graphs that agree or runs every call on the largest graph (``row_plan``).
 - Rolling back after a rejected window is ``crop_cache``: a static cache only moves its length back; the stale rows
   are masked, then overwritten.
 
@@ -58,6 +61,7 @@ from .inductor_settings import CompileSettings, compile_cache_dir, compile_conte
 from .package_store import (build_bytes, disk_full, make_room, mark_used, package_bytes, package_path,
                             remove_stale_build_files, store_budget_bytes)
 from .packaged import build_packages, build_workers, cache_state, load_package, weights_digest
+from .row_check import RowPlan, choose_row_plan, split_rows
 
 __all__ = ["CompileSettings", "CompiledCausalLM", "compile_cache_dir", "compile_context", "use_compile_cache"]
 
@@ -98,16 +102,20 @@ class CompiledCausalLM(torch.nn.Module):
         super().__init__()
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}.")
+        if verifies and max_rows > 1 and max_cache_len < 2 * max_rows + 1:
+            raise ValueError(f"max_cache_len={max_cache_len} leaves no room to check the {max_rows}-row graphs against "
+                             f"decode steps at the warm-up: use max_cache_len >= {2 * max_rows + 1}.")
         if decode_rows not in (None, 1, 2) or (decode_rows == 2 and max_rows < 2):
             raise ValueError(f"decode_rows must be None (measured at the warm-up), 1, or 2 with max_rows >= 2; got "
                              f"{decode_rows!r} with max_rows={max_rows}.")
         # The graph a one-token step runs: its own (1), or the 2-row graph with a padding row (2), whose row 0 is
         # bitwise the 1-row graph's (row-independent graphs) and ran 20% faster on one machine; None: measured.
         self.decode_rows = decode_rows
-        # Every call on the max_rows graph (padding rows cropped back): set at the warm-up when some graph's rows were
-        # not bitwise the one-token step's on this machine (``_differing_row_counts``), so that speculation stays
-        # lossless whatever kernels inductor chose per shape.
-        self.uniform_rows = False
+        # Which graphs calls run: each its own, unless the warm-up found some graph's rows not bitwise the one-token
+        # step's on this machine; then calls of that row count are split over graphs that agree, or every call runs
+        # the max_rows graph (``ppow_trl.serving.row_check``), so that speculation stays lossless whatever kernels
+        # inductor chose per shape.
+        self.row_plan = RowPlan()
         # Only a verifier's rows must match its decode steps: a drafter's rows that differ change what it proposes
         # (SmolLM2's fp32 2-layer drafter's 2-row graph did, on the AMX Xeon), never the output, so it is not checked.
         self.verifies = verifies
@@ -160,9 +168,7 @@ class CompiledCausalLM(torch.nn.Module):
         label = self.settings.label()
         if self.settings.packaged and not self.packaged:
             label = label.replace("packaged", "torch.compile (packaging failed)")
-        if self.uniform_rows:
-            label += f", every call on the {self.max_rows}-row graph"
-        return label
+        return label + self.row_plan.describe(self.max_rows)
 
     # --- everything else the serving loop reads (config, generation_config, get_output_embeddings, ...) -----------
     def __getattr__(self, name):
@@ -227,8 +233,10 @@ class CompiledCausalLM(torch.nn.Module):
             position_ids = (torch.arange(length, length + rows, device=input_ids.device).unsqueeze(0)
                             if position_ids is None
                             else position_ids.reshape(1, rows).clone(memory_format=torch.contiguous_format))
-            if self.uniform_rows:
+            if self.row_plan.uniform:
                 out = self._uniform_call(input_ids, position_ids, cache, length)
+            elif self.row_plan.graphs is not None and rows not in self.row_plan.graphs:
+                out = self._split_call(input_ids, position_ids, cache, length)
             else:
                 out = self._padded_call(input_ids, position_ids, cache, length, self._graph_rows(rows))
         if 0 < logits_to_keep < rows:
@@ -252,29 +260,34 @@ class CompiledCausalLM(torch.nn.Module):
             out.logits = out.logits[:, :rows]
         return out
 
+    def _split_call(self, input_ids, position_ids, cache, length: int):
+        """A call of a row count whose graph differs (``row_plan.graphs``): consecutive chunks, each on a graph whose
+        rows are the decode step's (``split_rows``), so every row is scored as plain decoding would score it."""
+        outs, start = [], 0
+        for chunk in split_rows(input_ids.shape[1], self.row_plan.graphs):
+            outs.append(self._padded_call(_columns(input_ids, start, start + chunk),
+                                          _columns(position_ids, start, start + chunk), cache, length + start,
+                                          self._graph_rows(chunk)))
+            start += chunk
+        return _joined(outs)
+
     def _uniform_call(self, input_ids, position_ids, cache, length: int):
-        """``uniform_rows``: every position is scored by the ``max_rows`` graph, except the last ``max_rows - 1`` of the
+        """``row_plan.uniform``: every position is scored by the ``max_rows`` graph, except the last ``max_rows - 1`` of the
         cache, where its padding no longer fits: those by the 1-row graph, one at a time. Which graph scores a position
         then depends on the position alone, not on the call, so plain and speculative decoding agree everywhere."""
         rows = input_ids.shape[1]
         head = max(0, min(rows, self.max_cache_len - self.max_rows + 1 - length))
 
-        def part(tensor, start, stop):  # standard strides, as the graphs were traced with
-            return tensor[:, start:stop].clone(memory_format=torch.contiguous_format)
-
         outs = []
         if head:
-            outs.append(self._padded_call(part(input_ids, 0, head), part(position_ids, 0, head), cache, length,
+            outs.append(self._padded_call(_columns(input_ids, 0, head), _columns(position_ids, 0, head), cache, length,
                                           self.max_rows))
-        outs += [self._call_compiled(part(input_ids, i, i + 1), part(position_ids, i, i + 1), cache)
+        outs += [self._call_compiled(_columns(input_ids, i, i + 1), _columns(position_ids, i, i + 1), cache)
                  for i in range(head, rows)]
-        out = outs[-1]
-        if len(outs) > 1:
-            out.logits = torch.cat([o.logits for o in outs], dim=1)
-        return out
+        return _joined(outs)
 
     def _graph_rows(self, rows: int) -> int:
-        """The graph a call of ``rows`` rows runs (without ``uniform_rows``): the 2-row graph for a one-token step when
+        """The graph a call of ``rows`` rows runs (without ``row_plan.uniform``): the 2-row graph for a one-token step when
         ``decode_rows == 2``, else its own. Padding rows come after the real ones, which attend causally and so never
         read them."""
         return 2 if rows == 1 and self.decode_rows == 2 else rows
@@ -374,18 +387,28 @@ class CompiledCausalLM(torch.nn.Module):
         if self.decode_rows is None:
             self.decode_rows = self._faster_decode_rows()
         if self.verifies and self.settings.row_independent and self.max_rows > 1:
-            self._check_row_independence()
+            choose_row_plan(self, self._step_seconds)  # sets row_plan: every row as the decode step scores it
         self.warm = True
         self.compile_seconds = time.perf_counter() - started
         logger.info("Compiled %d shapes in %.0f s (inductor cache %s)", self.max_rows, self.compile_seconds,
                     self.cache_dir)
         return self.compile_seconds
 
-    def _faster_decode_rows(self, repeats: int = 15, context: int = 32, margin: float = 0.97) -> int:
-        """1 or 2: the graph a one-token step should run, timed here (interleaved, ``repeats`` each at a ``context``
-        cache); the 2-row graph only when it is faster by the ``margin``, else the decode step's own."""
-        if self.max_rows < 2 or self.max_cache_len < context + 2:
+    def _faster_decode_rows(self, margin: float = 0.97) -> int:
+        """1 or 2: the graph a one-token step should run, timed here; the 2-row graph only when it is faster by the
+        ``margin``, else the decode step's own."""
+        if self.max_rows < 2 or self.max_cache_len < 34:
             return 1
+        seconds = self._step_seconds([1, 2])
+        logger.info("One-token step: %.1f ms on its own graph, %.1f ms on the 2-row graph with a padding row; %s",
+                    seconds[1] * 1e3, seconds[2] * 1e3, "padding" if seconds[2] < margin * seconds[1] else
+                    "its own graph")
+        return 2 if seconds[2] < margin * seconds[1] else 1
+
+    def _step_seconds(self, graphs: list[int], repeats: int = 15, context: int = 32) -> dict[int, float]:
+        """Median seconds of a one-token step on each graph of ``graphs`` (padding rows after it), timed interleaved,
+        ``repeats`` each, at a ``context``-position cache (shorter where the cache is)."""
+        context = max(1, min(context, self.max_cache_len - max(graphs)))
         cache = self.new_cache()
         token = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
 
@@ -398,54 +421,10 @@ class CompiledCausalLM(torch.nn.Module):
 
         with torch.no_grad():
             self.model(input_ids=token.repeat(1, context), cache=cache, use_cache=True)
-            medians = interleaved_medians({1: step(1), 2: step(2)}, repeats=repeats, warmup=2,
-                                           device=token.device)
-        one, two = medians[1], medians[2]
-        logger.info("One-token step: %.1f ms on its own graph, %.1f ms on the 2-row graph with a padding row; %s",
-                    one * 1e3, two * 1e3, "padding" if two < margin * one else "its own graph")
+            medians = interleaved_medians({rows: step(rows) for rows in graphs}, repeats=repeats, warmup=2,
+                                          device=token.device)
         self.new_cache()
-        return 2 if two < margin * one else 1
-
-    def _check_row_independence(self) -> None:
-        """Lossless speculation needs every row of an ``L``-row call bitwise equal to the one-token step's at that
-        position. The row-independent settings give that where inductor runs one kernel for every row count, but it
-        chooses kernels per shape: on a CPU with AMX, its int8 weight-only GEMM takes the AMX micro-kernel from 5 rows
-        on and an AVX-512 one below (``skip_amx_kernel_for_woq``), and a 5-token verify then differed from decode steps
-        (SmolLM2 int8 at K = 4: speculation equalled plain decoding on 4 of 16 prompts). So the graphs are checked
-        here, and where some row count differs, every call runs the ``max_rows`` graph (``uniform_rows``): the same
-        kernels for every row, at the cost of that graph's time per step."""
-        differing = self._differing_row_counts()
-        if not differing:
-            return
-        self.uniform_rows = True
-        still = self._differing_row_counts()
-        logger.warning("On this machine the compiled %d-row graph%s of %s computed rows that differ in their last bits "
-                       "from the one-token step's (inductor chose other kernels for that shape); every call now runs "
-                       "the %d-row graph so that speculative decoding stays lossless%s.",
-                       differing[0], "s" if len(differing) > 1 else "", type(self.model).__name__, self.max_rows,
-                       "" if not still else f" (rows still differ for {still}: speculation may not be lossless here)")
-
-    def _differing_row_counts(self, context: int = 24, seed: int = 0) -> list[int]:
-        """Row counts ``L`` whose call, as ``forward`` runs it, scores some position differently (in any bit) from
-        one-token steps over the same cache: a seeded random context, then ``max_rows`` positions each way."""
-        if self.max_cache_len < context + 2 * self.max_rows:
-            return []
-        vocab = int(getattr(self.model.config, "vocab_size", 2))
-        ids = torch.randint(0, vocab, (1, context + self.max_rows), generator=torch.Generator().manual_seed(seed))
-        ids = ids.to(self.model.device)
-        cache = self.new_cache()
-        with torch.no_grad():
-            self.model(input_ids=ids[:, :context], cache=cache, use_cache=True)
-            steps = [self(input_ids=ids[:, i:i + 1], cache=cache).logits[0, -1] for i in range(context, ids.shape[1])]
-            cache.crop(-self.max_rows)
-            differing = []
-            for rows in range(2, self.max_rows + 1):
-                logits = self(input_ids=ids[:, context:context + rows], cache=cache).logits[0]
-                if any(not torch.equal(logits[r], steps[r]) for r in range(rows)):
-                    differing.append(rows)
-                cache.crop(-rows)
-        self.new_cache()
-        return differing
+        return medians
 
     def _warm_every_row_count(self, progress: bool) -> None:
         """Run each row count once over the static cache (compiling, building or loading its graph), a bar per shape."""
@@ -462,3 +441,16 @@ class CompiledCausalLM(torch.nn.Module):
             ids = token.repeat(1, rows)
             self._call_compiled(ids, torch.arange(rows, device=ids.device).unsqueeze(0), cache)
             cache.crop(-rows)
+
+
+def _columns(tensor, start: int, stop: int):
+    """``tensor[:, start:stop]`` with standard strides, as the graphs were traced with."""
+    return tensor[:, start:stop].clone(memory_format=torch.contiguous_format)
+
+
+def _joined(outs):
+    """The last call's output, its logits those of every call in order (one call's rows split over several)."""
+    out = outs[-1]
+    if len(outs) > 1:
+        out.logits = torch.cat([o.logits for o in outs], dim=1)
+    return out

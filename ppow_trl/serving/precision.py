@@ -23,15 +23,30 @@ warns that speculation may pick another token than plain decoding at a near tie.
 from __future__ import annotations
 
 import copy
+import itertools
+import logging
 import weakref
 
 import torch
 
 PRECISIONS = ("fp32", "bf16", "int8")
 
+logger = logging.getLogger(__name__)
+
 _CONVERTED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-"""model -> {precision: converted copy}: one copy per model and precision in a process, so that the trainer's cost
-model and the recipe's serving runtime share one compiled target (a second copy would compile again)."""
+"""model -> {precision: (weights' version, converted copy)}: one copy per model, precision and state of its weights in
+a process, so that the trainer's cost model and the recipe's serving runtime share one compiled target (a second copy
+would compile again), while a drafter trained further gets a fresh copy (``_weights_version``)."""
+
+
+def _weights_version(model) -> int | None:
+    """A number that grows whenever any of ``model``'s parameters or buffers is changed in place (an optimizer step,
+    ``load_state_dict``): the sum of their version counters. ``None`` where a tensor keeps none (inference tensors):
+    such a model is never reused from the cache."""
+    try:
+        return sum(tensor._version for tensor in itertools.chain(model.parameters(), model.buffers()))
+    except RuntimeError:
+        return None
 
 
 def check_precision(precision: str) -> str:
@@ -79,17 +94,26 @@ def int8_supported(linear: torch.nn.Linear) -> bool:
     return linear.in_features % 32 == 0 and linear.out_features % 16 == 0
 
 
-def serving_precision(model, precision: str = "fp32"):
-    """``model`` at ``precision`` (module docstring): the model itself for ``"fp32"`` or when it is already at
-    ``precision``, else a converted copy in eval mode, its generation config kept (made once per model and precision
-    in a process: the target is frozen while it serves)."""
+def serving_precision(model, precision: str = "fp32", *, upcast: bool = False):
+    """``model`` at ``precision`` (module docstring): the model itself when it is already at ``precision``, else a
+    converted copy in eval mode, its generation config kept (made once per model, precision and state of its weights
+    in a process: the target is frozen while it serves). ``"fp32"`` is the default and means the model as loaded: a
+    bf16 model stays bf16 (no fp32 copy of a target in memory) unless ``upcast``, which makes a float32 copy (a drafter
+    asked for at fp32). An int8 model cannot be upcast (its weights were rounded): an error."""
     check_precision(precision)
-    if precision == "fp32" or precision_of(model) == precision:
+    current = precision_of(model)
+    if current == precision or (precision == "fp32" and not upcast):
         return model
-    converted = _CONVERTED.get(model, {}).get(precision)
-    if converted is not None:
+    if current == "int8":
+        raise ValueError(f"This model's weights are already int8 (Int8WeightOnlyLinear); it cannot serve at {precision}. "
+                         "Convert the fp32 model instead.")
+    version = _weights_version(model)
+    cached_version, converted = _CONVERTED.get(model, {}).get(precision, (None, None))
+    if converted is not None and version is not None and cached_version == version:
         return converted
     converted = copy.deepcopy(model).eval()
+    if precision == "fp32":  # a bf16 model (its bf16 attention choice kept: it is a choice for speed, not precision)
+        converted.float()
     if precision == "bf16":
         converted.to(torch.bfloat16)
         if hasattr(converted, "set_attn_implementation"):
@@ -104,7 +128,7 @@ def serving_precision(model, precision: str = "fp32"):
                     setattr(module, name, Int8WeightOnlyLinear(child))
         # An lm head tied to the embedding is now its own int8 module: saving must not re-tie it.
         converted.config.get_text_config().tie_word_embeddings = False
-    _CONVERTED.setdefault(model, {})[precision] = converted
+    _CONVERTED.setdefault(model, {})[precision] = (version, converted)
     return converted
 
 

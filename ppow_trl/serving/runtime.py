@@ -239,14 +239,18 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
     returning, so that nothing compiles inside the served loop."""
     check_runtime(runtime)
     check_precision(precision)
+    if not isinstance(max_window, int) or max_window < 0 or max_cache_len < 2 * max_window + 3:
+        # 2 (K + 1) + 1: the warm-up checks the K + 1 row graphs against decode steps after a context (row_check)
+        raise ValueError(f"serving_runtime needs an integer max_window >= 0 and max_cache_len >= 2 * max_window + 3, "
+                         f"got max_window={max_window!r}, max_cache_len={max_cache_len!r}.")
     if drafter_precision is not None:
         check_precision(drafter_precision)
-        drafter = _with_drafter_models(drafter, lambda model: serving_precision(model, drafter_precision))
+        converted = []  # the drafter's causal-LM models; none for prompt lookup, whose precision is then not named
+        drafter = _with_drafter_models(drafter, lambda model: converted.append(model) or serving_precision(
+            model, drafter_precision, upcast=True))
+        drafter_precision = drafter_precision if converted else None
     precisions = {"precision": precision, "drafter_precision": drafter_precision,
                   "proposer": drafter if drafter_precision is not None else None}
-    if not isinstance(max_window, int) or max_window < 0 or max_cache_len < max_window + 2:
-        raise ValueError(f"serving_runtime needs an integer max_window >= 0 and max_cache_len > max_window + 1, got "
-                         f"max_window={max_window!r}, max_cache_len={max_cache_len!r}.")
     target = serving_precision(target, precision)
     if runtime == "eager":
         _warn_low_precision(precision, drafter)
