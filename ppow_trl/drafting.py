@@ -204,6 +204,13 @@ class DrafterFamily:
         raise NotImplementedError
 
     # -- serving ------------------------------------------------------------------------------------------
+    def fit_confidences(self, drafter, contexts) -> dict:
+        """Fit, in place, what this drafter's confidences mean on held-out ``contexts`` (token id sequences), before
+        the window rule is calibrated on them (``calibrate_for_serving``); returns the fitted settings (``{}``: a
+        trained drafter's softmax is its own confidence, nothing to fit). Prompt lookup fits the hit rate of each
+        n-gram length."""
+        return {}
+
     def attach(self, drafter, target, policy, vocab_size: int | None = None):
         """Make ``target.generate(..., assistant_model=drafter)`` apply ``policy``; returns the drafter."""
         raise NotImplementedError

@@ -126,3 +126,39 @@ def test_calibration_charges_the_drafter_only_for_the_tokens_it_proposed(models)
     everything_free = torch.zeros_like(charged)
     assert torch.allclose(policy_speedup(policy, confidences, prefix, cost, everything_free),
                           policy_speedup(policy, confidences, prefix, free))
+
+
+def test_once_fitted_a_lookup_under_half_proposes_nothing_and_the_model_proposes_there(models):
+    """With fitted hit rates (unigram 0.2, longer 0.8) and ``min_match_confidence = 0.5``, a position whose only match
+    is a unigram takes the model's logits, a trigram match the lookup's at probability 0.8; copies made for the
+    compiled runtime (``with_drafter``) share the fit; decoding stays lossless."""
+    from ppow_trl.drafters.prompt_lookup import lookup_next_match
+
+    target, close, _ = models
+    hybrid = hybrid_drafter(close, target)
+    copy = hybrid.with_drafter(close)
+    hybrid.config.match_confidences = [0.2, 0.8, 0.8]
+    prompt = _repeating_prompt(1)[0].tolist()
+    text = greedy_continuation(target, prompt, 12, 64)
+    sequence = prompt + text
+    with torch.no_grad():
+        model_logits = close(torch.tensor([sequence])).logits[0]
+        slots = dict(drafting_session(copy, target).teacher_forced_logits(prompt, text, 1))
+    kinds = set()
+    for s in range(len(text)):
+        context = sequence[: len(prompt) + s]
+        match = lookup_next_match(context, 3, 1)
+        row = slots[0][s]
+        if match is not None and match[1] >= 2:
+            kinds.add("lookup")
+            assert int(row.argmax()) == match[0] and abs(float(torch.softmax(row, -1).max()) - 0.8) < 1e-4
+        else:
+            kinds.add("unigram" if match is not None else "model")
+            torch.testing.assert_close(row, model_logits[len(context) - 1], atol=1e-5, rtol=1e-4)
+    assert {"lookup", "unigram"} <= kinds  # both cases were checked
+    for seed in range(3):
+        ids = _repeating_prompt(seed)
+        plain = greedy_continuation(target, ids[0].tolist(), 20, 64)
+        out = speculative_generate(target, copy, ids, policy=AdaptiveWindowPolicy(3, 0.0), max_new_tokens=20,
+                                   eos_token_id=[])
+        assert out.new_tokens == plain

@@ -89,3 +89,61 @@ def test_study_lists_it_as_an_evaluated_arm():
     from ppow_trl.study.arms import ARMS, ORDER
 
     assert ARMS["prompt_lookup"].kind == "eval" and "prompt_lookup" in ORDER
+
+
+def test_match_counts_equal_a_lookup_at_every_position_and_the_fit_sets_each_lengths_probability():
+    """``match_counts`` (one pass, n-grams in dicts) against ``lookup_next_match`` run after every prefix; sequences
+    that are a prefix of another counted once; ``p_n = (hits + 1) / (lookups + 2)``; and a looked-up token's softmax
+    probability is its length's ``p_n`` (``match_logit``), zeros under ``min_match_confidence``."""
+    from ppow_trl.drafters.prompt_lookup import fit_match_confidences, lookup_next_match, match_counts
+
+    rng = random.Random(1)
+    for _ in range(200):
+        sequences = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(rng.randrange(1, 4))]
+        max_n = rng.randrange(1, 5)
+        min_n = rng.randrange(1, max_n + 1)
+        lookups, hits = [0] * max_n, [0] * max_n
+        for sequence in sequences:
+            for t in range(1, len(sequence)):
+                match = lookup_next_match(sequence[:t], max_n, min_n)
+                if match is not None:
+                    lookups[match[1] - 1] += 1
+                    hits[match[1] - 1] += match[0] == sequence[t]
+        assert match_counts(sequences, max_n, min_n) == (lookups, hits)
+        assert match_counts(sequences + [s[: len(s) // 2] for s in sequences], max_n, min_n) == (lookups, hits)
+        assert fit_match_confidences(sequences, max_n, min_n) == [(h + 1) / (n + 2) for n, h in zip(lookups, hits)]
+    target = make_tiny_llama(vocab_size=64, num_layers=1)
+    drafter = get_family("prompt_lookup").build(target)
+    drafter.config.match_confidences = [0.2, 0.6, 0.9]
+    probs = torch.softmax(drafter.lookup_logits([[5, 6, 7, 5, 6], [1, 9, 3, 9], [4, 5, 6, 7, 4, 5, 6]]), -1)
+    assert probs[0].argmax() == 7 and abs(float(probs[0, 7]) - 0.6) < 1e-5  # "5 6": a bigram
+    assert probs[1].argmax() == 3 and abs(float(probs[1, 3]) - 0.2) < 1e-5  # "9": a unigram
+    assert probs[2].argmax() == 7 and abs(float(probs[2, 7]) - 0.9) < 1e-5  # "4 5 6": a trigram
+    drafter.config.min_match_confidence = 0.5
+    assert torch.equal(drafter.lookup_logits([[1, 9, 3, 9]]), torch.zeros(1, 64))  # the unigram: no match now
+    with pytest.raises(ValueError, match="match_confidences"):
+        get_family("prompt_lookup").build(target).config.__class__(match_confidences=[0.5, 1.0, 0.5])
+
+
+def test_calibration_fits_the_hit_rates_and_the_rule_drafts_only_on_matches_worth_it():
+    """On text where unigram matches miss and trigram matches hit, the calibration fits p_1 low and p_3 high, records
+    them, and the served rule's threshold then keeps unigram lookups out of its windows; decoding stays lossless."""
+    from ppow_trl.serving.calibration import calibrate_policy
+    from ppow_trl.serving.cost import CostModel
+
+    target = make_tiny_llama(vocab_size=64, num_layers=1)
+    drafter = get_family("prompt_lookup").build(target)
+    g = torch.Generator().manual_seed(3)
+    contexts = []
+    for _ in range(8):  # a phrase repeated (trigram matches continue it), then fresh tokens (unigram matches miss)
+        phrase = torch.randint(8, 64, (6,), generator=g)
+        contexts.append(torch.cat([phrase, phrase, phrase, torch.randint(8, 64, (20,), generator=g)]))
+    cost = CostModel(drafter_cost=0.0, verify_cost=[1.0, 1.05, 1.1, 1.15, 1.2])
+    policy, _ = calibrate_policy(target, drafter, contexts, cost, max_window=4, allow_no_speculation=True)
+    p = policy.calibration["fitted_confidences"]["match_confidences"]
+    assert p == drafter.config.match_confidences and p[2] > 0.7 > 0.3 > p[0]
+    assert "hit rate per match length" in get_family("prompt_lookup").describe(drafter)
+    ids = contexts[0][:14].view(1, -1)
+    plain = speculative_generate(target, drafter, ids, policy=AdaptiveWindowPolicy(max_window=0), max_new_tokens=16)
+    fast = speculative_generate(target, drafter, ids, policy=AdaptiveWindowPolicy(4, 0.5), max_new_tokens=16)
+    assert torch.equal(fast.sequences, plain.sequences)

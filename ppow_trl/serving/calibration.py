@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..drafting import family_of
+from ..utils import unwrap_model
 from .cost import CostModel
 from .rollout import verify_windows
 from .windowing import (AdaptiveWindowPolicy, accepted_spread_within, charged_within, chosen_rule, expected_accepted_within, policy_speedup,
@@ -59,6 +61,16 @@ def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_m
     break_even = float(cost_model.round_time(lengths, charged_within(charged, lengths)).mean())
     budget = guard_loss_budget(break_even, accepted_spread_within(prefix, lengths), spreads)
     return {**settings, "break_even_tokens": break_even, "loss_budget": budget}
+
+
+def fit_drafter_confidences(drafter, contexts) -> dict:
+    """``DrafterFamily.fit_confidences`` of ``drafter``'s family on ``contexts`` (in place; ``{}`` for a trained
+    drafter, or a model no family owns)."""
+    try:
+        family = family_of(drafter)
+    except (ValueError, TypeError):
+        return {}
+    return family.fit_confidences(unwrap_model(drafter), [list(map(int, c)) for c in contexts])
 
 
 def held_out_contexts(
@@ -167,6 +179,9 @@ def calibrate_policy(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (the sampling regime's), got {temperature}.")
     regimes = ("greedy", "sampling") if regime == "both" else (regime,)
+    # what the drafter's confidences mean, fitted on these contexts first (prompt lookup: the hit rate of each
+    # n-gram length), so that the rollouts' confidences are the ones the rule will serve with
+    fitted = fit_drafter_confidences(drafter, contexts)
     rollouts = {
         name: calibration_rollouts(target, drafter, contexts, max_window=max_window,
                                    confidence_temperature=confidence_temperature, greedy=name == "greedy",
@@ -200,6 +215,7 @@ def calibrate_policy(
         policy.new_guard()  # validates the settings
     fixed = AdaptiveWindowPolicy(max_window, 0.0, confidence_temperature)
     policy.calibration = {
+        **({"fitted_confidences": fitted} if fitted else {}),
         "regime": regime,
         "temperature": None if regime == "greedy" else temperature,
         "num_contexts": len(contexts),
