@@ -143,6 +143,9 @@ def test_calibration_fits_the_hit_rates_and_the_rule_drafts_only_on_matches_wort
     p = policy.calibration["fitted_confidences"]["match_confidences"]
     assert p == drafter.config.match_confidences and p[2] > 0.7 > 0.3 > p[0]
     assert "hit rate per match length" in get_family("prompt_lookup").describe(drafter)
+    from ppow_trl.serving.rule import describe_serving_rule
+
+    assert f"hit rate, 1/2/3 = {p[0]:.2f}/{p[1]:.2f}/{p[2]:.2f}" in describe_serving_rule(policy, cost)
     ids = contexts[0][:14].view(1, -1)
     plain = speculative_generate(target, drafter, ids, policy=AdaptiveWindowPolicy(max_window=0), max_new_tokens=16)
     fast = speculative_generate(target, drafter, ids, policy=AdaptiveWindowPolicy(4, 0.5), max_new_tokens=16)

@@ -43,6 +43,10 @@ COMPILED_SERVING_SEPARATE_RUNS = {
     "compiled_serving_xeon_amx_low_precision_drafters.json": (
         "on an Intel Xeon with AMX, drafters at the target's precision",
         "the same machine, after the warm-up's row check (int8), with each bf16 or int8 row's drafter converted too."),
+    "compiled_serving_xeon_amx_split_fitted_lookup.json": (
+        "on an Intel Xeon with AMX, split verify calls and fitted lookups",
+        "the same machine, int8 verify calls split over graphs that agree (plain decoding on its own graph), prompt "
+        "lookup at fitted hit rates, drafters at the target's precision."),
 }
 
 

@@ -121,7 +121,10 @@ def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | 
         f"online guard: drafting pauses for {guard.probe_every} tokens (doubling while resumptions keep losing) once "
         f"rounds that cost {guard.break_even_tokens:.2f} steps each have lost {guard.loss_budget:.2f} steps against "
         "plain decoding since they last broke even")
+    fitted = (calibration.get("fitted_confidences") or {}).get("match_confidences")
+    fitted_text = ("" if not fitted else "; lookups proposed at their n-gram length's hit rate, "
+                   + "/".join(str(n + 1) for n in range(len(fitted))) + " = " + "/".join(f"{p:.2f}" for p in fitted))
     return (f"K = {policy.max_window}, h = {policy.threshold:.2f}"
             + (f", predicted {predicted:.3f}x on {calibration.get('num_contexts')} held-out contexts"
                if predicted is not None else "")
-            + f"; {guard_text}; {costs}.")
+            + f"{fitted_text}; {guard_text}; {costs}.")
