@@ -125,9 +125,10 @@ def test_match_counts_equal_a_lookup_at_every_position_and_the_fit_sets_each_len
         get_family("prompt_lookup").build(target).config.__class__(match_confidences=[0.5, 1.0, 0.5])
 
 
-def test_calibration_fits_the_hit_rates_and_the_rule_drafts_only_on_matches_worth_it():
+def test_calibration_fits_the_hit_rates_and_a_threshold_then_drafts_only_on_matches_worth_it():
     """On text where unigram matches miss and trigram matches hit, the calibration fits p_1 low and p_3 high, records
-    them, and the served rule's threshold then keeps unigram lookups out of its windows; decoding stays lossless."""
+    them (and the served rule's sentence names them), a threshold of 1/2 then ends a window at a unigram lookup and not
+    at a trigram one, and decoding stays lossless."""
     from ppow_trl.serving.calibration import calibrate_policy
     from ppow_trl.serving.cost import CostModel
 
@@ -146,6 +147,9 @@ def test_calibration_fits_the_hit_rates_and_the_rule_drafts_only_on_matches_wort
     from ppow_trl.serving.rule import describe_serving_rule
 
     assert f"hit rate, 1/2/3 = {p[0]:.2f}/{p[1]:.2f}/{p[2]:.2f}" in describe_serving_rule(policy, cost)
+    rule = AdaptiveWindowPolicy(4, 0.5)  # a window continues while its confidence is >= 1/2
+    unigram, trigram = [1, 9, 3, 9], [4, 5, 6, 7, 4, 5, 6]  # "9" recurs alone; "4 5 6" recurs
+    assert rule.keep_drafting(rule.confidence(drafter.lookup_logits([unigram, trigram])), 1).tolist() == [False, True]
     ids = contexts[0][:14].view(1, -1)
     plain = speculative_generate(target, drafter, ids, policy=AdaptiveWindowPolicy(max_window=0), max_new_tokens=16)
     fast = speculative_generate(target, drafter, ids, policy=AdaptiveWindowPolicy(4, 0.5), max_new_tokens=16)

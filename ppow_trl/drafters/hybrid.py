@@ -10,9 +10,8 @@ any drafter's:
 
 where ``p_n`` is the fitted hit rate of an ``n``-gram match (``ppow_trl.drafters.prompt_lookup``; fitted by
 ``calibrate_for_serving`` on its held-out contexts) and ``min_match_confidence`` is 1/2: a lookup proposes where it is
-right more often than not. Before the fit every match counts, as it did before: on MT-bench's writing prompts a
-unigram match (right 16-20% of the time on SmolLM2's responses) then displaced the trained drafter's proposal after
-every common token, and the main job's hybrid served 0.92x.
+right more often than not. Before the fit every match counts: a unigram match (right 16-20% of the time on SmolLM2's
+responses) then displaces the trained drafter's proposal after every common token.
 
 so the window rule (``prod conf_j >= h``, up to ``K``; a looked-up token's confidence is about 1), the calibration of
 ``(K, h)``, the online guard, and greedy and sampled verification apply unchanged, and decoding stays lossless.

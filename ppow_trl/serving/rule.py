@@ -110,20 +110,20 @@ def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | 
            if cost_model.plain_overhead or cost_model.round_overhead or cost_model.drafted_token_overhead else ""))
     calibration = policy.calibration or {}
     predicted = calibration.get("predicted_speedup")
+    fitted = (calibration.get("fitted_confidences") or {}).get("match_confidences")
+    fitted_text = ("" if not fitted else "; lookups proposed at their n-gram length's hit rate, "
+                   + "/".join(str(n + 1) for n in range(len(fitted))) + " = " + "/".join(f"{p:.2f}" for p in fitted))
     if policy.max_window == 0:
         best = calibration.get("best_speculative_speedup")
         least = calibration.get("min_speedup", 1.0)
         return ("No speculation (K = 0, plain decoding): no window rule was predicted "
                 + ("above 1x" if least <= 1.0 else f"at least {least:g}x") + " on this machine"
-                + (f" (best {best:.3f}x)" if best is not None else "") + f"; {costs}.")
+                + (f" (best {best:.3f}x)" if best is not None else "") + f"{fitted_text}; {costs}.")
     guard = policy.new_guard()
     guard_text = "no online guard" if guard is None else (
         f"online guard: drafting pauses for {guard.probe_every} tokens (doubling while resumptions keep losing) once "
         f"rounds that cost {guard.break_even_tokens:.2f} steps each have lost {guard.loss_budget:.2f} steps against "
         "plain decoding since they last broke even")
-    fitted = (calibration.get("fitted_confidences") or {}).get("match_confidences")
-    fitted_text = ("" if not fitted else "; lookups proposed at their n-gram length's hit rate, "
-                   + "/".join(str(n + 1) for n in range(len(fitted))) + " = " + "/".join(f"{p:.2f}" for p in fitted))
     return (f"K = {policy.max_window}, h = {policy.threshold:.2f}"
             + (f", predicted {predicted:.3f}x on {calibration.get('num_contexts')} held-out contexts"
                if predicted is not None else "")
