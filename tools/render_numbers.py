@@ -47,6 +47,10 @@ COMPILED_SERVING_SEPARATE_RUNS = {
         "on an Intel Xeon with AMX, split verify calls and fitted lookups",
         "the same machine, int8 verify calls split over graphs that agree (plain decoding on its own graph), prompt "
         "lookup at fitted hit rates, drafters at the target's precision."),
+    "compiled_serving_xeon_amx_bf16_int8_fitted_lookup.json": (
+        "on an Intel Xeon with AMX, bf16 and int8 on writing and code prompts",
+        "the same machine and code as the run above, bf16 added, MT-bench's first 8 prompts (writing) and 8 code "
+        "prompts, the main job's retrained drafter."),
 }
 
 
