@@ -28,6 +28,14 @@ def _repeating_prompt(seed: int) -> torch.Tensor:
     return torch.cat([phrase, torch.randint(8, 64, (3,), generator=g), phrase[:3]]).view(1, -1)
 
 
+def _plain_and_hybrid(target, hybrid, seed: int, new_tokens: int):
+    """Greedy plain decoding's tokens and the hybrid's speculative output (K = 3, h = 0) after a repeating prompt."""
+    prompt = _repeating_prompt(seed)
+    plain = greedy_continuation(target, prompt[0].tolist(), new_tokens, 64)
+    return plain, speculative_generate(target, hybrid, prompt, policy=AdaptiveWindowPolicy(3, 0.0),
+                                       max_new_tokens=new_tokens, eos_token_id=[])
+
+
 def test_each_position_takes_the_lookup_where_it_matches_and_the_model_elsewhere(models):
     target, close, hybrid = models
     prompt = _repeating_prompt(0)[0].tolist()
@@ -55,10 +63,7 @@ def test_lossless_and_the_model_runs_only_where_the_lookup_found_nothing(models,
     make_session = family.session
     monkeypatch.setattr(family, "session", lambda *a, **k: sessions.append(make_session(*a, **k)) or sessions[-1])
     for seed in range(4):
-        prompt = _repeating_prompt(seed)
-        plain = greedy_continuation(target, prompt[0].tolist(), 24, 64)
-        out = speculative_generate(target, hybrid, prompt, policy=AdaptiveWindowPolicy(3, 0.0), max_new_tokens=24,
-                                   eos_token_id=[])
+        plain, out = _plain_and_hybrid(target, hybrid, seed, 24)
         assert out.new_tokens == plain
         session = sessions[-1]
         drafted = sum(out.drafted_per_round)
@@ -157,8 +162,5 @@ def test_once_fitted_a_lookup_under_half_proposes_nothing_and_the_model_proposes
             torch.testing.assert_close(row, model_logits[len(context) - 1], atol=1e-5, rtol=1e-4)
     assert {"lookup", "unigram"} <= kinds  # both cases were checked
     for seed in range(3):
-        ids = _repeating_prompt(seed)
-        plain = greedy_continuation(target, ids[0].tolist(), 20, 64)
-        out = speculative_generate(target, copy, ids, policy=AdaptiveWindowPolicy(3, 0.0), max_new_tokens=20,
-                                   eos_token_id=[])
+        plain, out = _plain_and_hybrid(target, copy, seed, 20)
         assert out.new_tokens == plain

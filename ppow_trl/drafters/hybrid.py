@@ -171,10 +171,10 @@ class HybridSession:
     def _next(self) -> torch.Tensor:
         self.forwards += 1
         sequence = self.lookup.sequences[0]
-        logits = self.drafter.lookup.lookup_logits([sequence])  # zeros: no match worth proposing
-        if bool((logits > 0).any()):
+        proposal = self.drafter.lookup.proposal(sequence)
+        if proposal is not None:
             self.looked_up += 1
-            return logits
+            return self.drafter.lookup.proposal_logits([proposal])
         return self.model.extend(sequence)  # reads every token it has not read yet, in one forward
 
     def extend(self, sequence: list[int], features=None) -> torch.Tensor:

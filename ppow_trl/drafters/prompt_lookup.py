@@ -147,24 +147,34 @@ class PromptLookupDrafter(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):
         """Nothing to initialise."""
 
-    def lookup_logits(self, sequences: list[list[int]]) -> torch.Tensor:
-        """``(len(sequences), V)`` next-token logits of each sequence: ``c_n`` (``match_logit`` of the fitted ``p_n``;
-        ``confidence_logit`` before any fit) on the looked-up token, zeros where nothing matches or ``p_n`` is under
-        ``min_match_confidence``."""
+    def proposal(self, sequence: list[int]) -> tuple[int, float] | None:
+        """``(token, logit)`` the lookup proposes after ``sequence``: ``c_n`` (``match_logit`` of the fitted ``p_n``;
+        ``confidence_logit`` before any fit) on the looked-up token; ``None`` where nothing matches, the token is outside
+        the vocabulary, or ``p_n`` is under ``min_match_confidence``."""
         config = self.config
+        match = lookup_next_match(sequence, config.max_ngram_size, config.min_ngram_size)
+        if match is None or match[0] >= config.vocab_size:
+            return None
+        token, n = match
         confidences = getattr(config, "match_confidences", None)
-        least = getattr(config, "min_match_confidence", 0.0)
-        logits = torch.zeros((len(sequences), config.vocab_size), device=self.anchor.device, dtype=self.anchor.dtype)
-        for row, sequence in enumerate(sequences):
-            match = lookup_next_match(sequence, config.max_ngram_size, config.min_ngram_size)
-            if match is None or match[0] >= config.vocab_size:
-                continue
-            token, n = match
-            if confidences is None:
-                logits[row, token] = config.confidence_logit
-            elif confidences[n - 1] >= least:
-                logits[row, token] = match_logit(confidences[n - 1], config.vocab_size)
+        if confidences is None:
+            return token, config.confidence_logit
+        if confidences[n - 1] < getattr(config, "min_match_confidence", 0.0):
+            return None
+        return token, match_logit(confidences[n - 1], config.vocab_size)
+
+    def proposal_logits(self, proposals: list[tuple[int, float] | None]) -> torch.Tensor:
+        """``(len(proposals), V)`` logits: each proposal's logit on its token, 0 elsewhere (all zeros for ``None``)."""
+        logits = torch.zeros((len(proposals), self.config.vocab_size), device=self.anchor.device,
+                             dtype=self.anchor.dtype)
+        for row, proposal in enumerate(proposals):
+            if proposal is not None:
+                logits[row, proposal[0]] = proposal[1]
         return logits
+
+    def lookup_logits(self, sequences: list[list[int]]) -> torch.Tensor:
+        """``(len(sequences), V)`` next-token logits of each sequence (``proposal``, ``proposal_logits``)."""
+        return self.proposal_logits([self.proposal(sequence) for sequence in sequences])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """Logits ``(B, T, V)`` of every prefix (teacher forced), for inspection; the loops use the session."""
@@ -301,15 +311,12 @@ class PromptLookupFamily(DrafterFamily):
         return drafter
 
 
-def fit_lookup_config(config, contexts, min_match_confidence: float | None = None) -> dict:
+def fit_lookup_config(config, contexts) -> dict:
     """Fit ``config.match_confidences`` (``fit_match_confidences``) on ``contexts``, in place (a hybrid's copies share
-    its config); ``min_match_confidence`` set too when given. Returns the fitted settings, for reports."""
+    its config). Returns the fitted settings, for reports."""
     confidences = fit_match_confidences(contexts, config.max_ngram_size, config.min_ngram_size)
-    check_lookup_settings(config.max_ngram_size, config.min_ngram_size, confidences,
-                          config.min_match_confidence if min_match_confidence is None else min_match_confidence)
+    check_lookup_settings(config.max_ngram_size, config.min_ngram_size, confidences, config.min_match_confidence)
     config.match_confidences = confidences
-    if min_match_confidence is not None:
-        config.min_match_confidence = float(min_match_confidence)
     return {"match_confidences": confidences, "min_match_confidence": config.min_match_confidence}
 
 
