@@ -131,7 +131,7 @@ def child(args) -> dict:
                                          cache_dir=cache_root() / "responses")
     contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4, 64)
 
-    rules, costs = {}, {}
+    rules, costs, served_on = {}, {}, {}
 
     def calibrate(name, drafter, runtime):
         """The served rule and cost model of one arm on ``runtime``: calibrated once per run, then read back, so a
@@ -148,6 +148,7 @@ def child(args) -> dict:
             cost_model.save_pretrained(saved)
             policy.save_pretrained(saved)  # the policy last: its file marks the pair complete
         rules[name], costs[name] = policy, cost_model
+        served_on[name] = runtime.describe()  # the graphs' settings and row plan, as served
         print(f"[{name}] {policy.calibration['serving_rule']}", file=sys.stderr, flush=True)
         return policy
 
@@ -230,7 +231,8 @@ def child(args) -> dict:
                                      "loop_overhead (o_0, o_r, o_d)": [round(c.plain_overhead, 4), round(c.round_overhead, 4),
                                                                        round(c.drafted_token_overhead, 4)]}
                               for name, c in costs.items()},
-              "rules": {name: p.calibration["serving_rule"] for name, p in rules.items()}, "llama_cpp": llama_cpp,
+              "rules": {name: p.calibration["serving_rule"] for name, p in rules.items()}, "runtimes": served_on,
+              "llama_cpp": llama_cpp,
               "run_state": str(state)}
     sets = {"mtbench": args.mtbench, "code": args.code}
     for set_name, count in sets.items():

@@ -44,14 +44,16 @@ def prompts(n=6, seed=0, vocab=64):
 
 
 def reference_decisions(accepted_of_round, num_rounds, b, budget, probe_every, max_pause):
-    """The rule written out directly: which rounds draft, given the accepted length each drafting round would get.
+    """The rule written out directly: which rounds draft, given the accepted length each drafting round would get and
+    its cost (``b``: a number, every round's, or a function of the round).
 
     Outcomes count from the second decision after their round (the protocol HF's loop imposes): when a drafting
-    round starts, the previous drafting round's outcome is added to the loss ``S = max(0, S + b - (A + 1))``. When
+    round starts, the previous drafting round's outcome is added to the loss ``S = max(0, S + c - (A + 1))``. When
     ``S > budget`` a pause starts (the round being drafted then is not counted) and ``S`` restarts at ``budget / 2``.
     A pause lasts ``probe_every`` rounds; it lasts twice the last one (at most ``max_pause``) when the resumption before
     it neither brought ``S`` back to 0 nor drafted ``probe_every`` counted rounds.
     """
+    cost_of_round = b if callable(b) else (lambda r: b)
     decisions, pending, paused, skip = [], None, 0, False
     loss, pause, held, since = 0.0, probe_every, True, 0
     for r in range(num_rounds):
@@ -64,44 +66,87 @@ def reference_decisions(accepted_of_round, num_rounds, b, budget, probe_every, m
             if skip:
                 skip = False
             else:
-                loss = max(0.0, loss + b - (pending + 1))
+                loss = max(0.0, loss + cost_of_round(pending_round) - (pending + 1))
                 since += 1
                 if loss == 0.0 or since >= probe_every:
                     held = True
                 if loss > budget:
                     pause = probe_every if held else min(2 * pause, max_pause)
                     paused, loss, held, since, skip = pause, budget / 2, False, 0, True
-        pending = accepted_of_round(r)
+        pending, pending_round = accepted_of_round(r), r
     return decisions
 
 
+GUARD_TABLE = {**GUARD, "round_costs": [1.0, 1.2, 1.5, 1.9], "free_token_saving": 0.15}
+"""A guard charging each drafting round its own window's cost (``c_L``, less 0.15 a free token)."""
+
+
 @pytest.mark.parametrize("seed", range(5))
-def test_guard_state_machine_equals_the_rule_written_out(seed):
+@pytest.mark.parametrize("table", [False, True])
+def test_guard_state_machine_equals_the_rule_written_out(seed, table):
     g = torch.Generator().manual_seed(seed)
     accepted = torch.randint(0, 3, (300,), generator=g).tolist()  # A per round, mixing good and bad stretches
     accepted[60:200] = [0] * 140
-    guard = SpeculationGuard(**GUARD)
+    # L >= A (a rejected window drafted one or two tokens past its accepted ones), some of them free
+    drafted = [min(a + int(torch.randint(0, 3, (1,), generator=g)), 3) or 1 for a in accepted]
+    free = [int(torch.randint(0, length + 1, (1,), generator=g)) if r < 60 else 0 for r, length in enumerate(drafted)]
+    drafted[60:200] = torch.randint(2, 4, (140,), generator=g).tolist()  # the bad stretch misses 1.5-1.9 step rounds
+    settings = GUARD_TABLE if table else GUARD
+    guard = SpeculationGuard(**settings)
     last = None
     for r in range(300):
         if guard.decide():
             if last is not None:
-                guard.record(last)
-            last = accepted[r]
-    expected = reference_decisions(lambda r: accepted[r], 300, GUARD["break_even_tokens"], GUARD["loss_budget"],
-                                   GUARD["probe_every"], GUARD["max_pause"])
+                guard.record(*last)
+            last = (accepted[r], drafted[r], free[r])
+    cost = ((lambda r: GUARD_TABLE["round_costs"][drafted[r]] - 0.15 * free[r]) if table
+            else GUARD["break_even_tokens"])
+    expected = reference_decisions(lambda r: accepted[r], 300, cost, GUARD["loss_budget"], GUARD["probe_every"],
+                                   GUARD["max_pause"])
     assert guard.decisions == expected
     assert not all(expected) and any(expected[200:])  # it paused on the bad stretch and came back
     pauses = [len(run) for run in "".join("d" if d else "p" for d in expected[60:200]).split("d") if run]
     assert pauses[:4] == [4, 8, 16, 16]  # failed resumptions doubled the pause, up to max_pause
 
 
+def test_a_rule_whose_windows_grew_longer_than_calibrated_is_paused():
+    """The int8 target's rule on an Intel Xeon: calibrated rounds cost 1.08 steps on average (mostly one drafted
+    token), served rounds drafted three tokens (1.40 steps each) and yielded 1.2 tokens. Charged the calibration's
+    mean, every round seemed to gain 0.12 steps and the rule served 0.91x unpaused; charged its own window, each
+    round loses 0.2 steps and the guard pauses it."""
+    costs = {"break_even_tokens": 1.08, "loss_budget": 3.1, "round_costs": [1.0, 1.05, 1.22, 1.40]}
+    mean_charged = SpeculationGuard(**{**costs, "round_costs": None})
+    own_charged = SpeculationGuard(**costs)
+    rng = random.Random(0)
+    rounds = [(int(rng.random() < 0.2), 3) for _ in range(200)]
+    for guard in (mean_charged, own_charged):
+        outcomes = iter(rounds)
+        run_guard(guard, lambda: next(outcomes))
+    assert all(mean_charged.decisions)
+    assert not all(own_charged.decisions[:40]) and own_charged.decisions.count(False) > 100
+    # rounds of one drafted token at the same acceptance pay (1.2 tokens for 1.05 steps): never paused
+    cheap = SpeculationGuard(**costs)
+    run_guard(cheap, lambda: (int(rng.random() < 0.2), 1))
+    assert all(cheap.decisions)
+
+
+def test_round_costs_extrapolate_past_the_table_and_free_tokens_cost_less():
+    guard = SpeculationGuard(**GUARD_TABLE)
+    assert guard.round_cost(2) == 1.5 and guard.round_cost(5) == pytest.approx(1.9 + 2 * 0.4)
+    assert guard.round_cost(3, free=2) == pytest.approx(1.9 - 0.3)
+    assert guard.round_cost(None) == GUARD["break_even_tokens"]  # a route that cannot tell L
+    with pytest.raises(ValueError, match="round_costs"):
+        SpeculationGuard(1.2, round_costs=[1.0])
+
+
 def run_guard(guard, accepted, rounds=200):
-    """Decisions of ``guard`` over ``rounds`` rounds whose drafting rounds accept ``accepted()`` tokens each."""
+    """Decisions of ``guard`` over ``rounds`` rounds whose drafting rounds accept ``accepted()`` tokens each (or give
+    ``(A, L)``)."""
     last = None
     for _ in range(rounds):
         if guard.decide():
             if last is not None:
-                guard.record(last)
+                guard.record(*last) if isinstance(last, tuple) else guard.record(last)
             last = accepted()
     return guard.decisions
 
@@ -237,6 +282,46 @@ def test_hf_assisted_route_makes_the_same_guard_decisions(tmp_path, models):
         fast = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=40, eos_token_id=[])
         assert out == fast.new_tokens
         assert guard.decisions == fast.guard_decisions  # reset per generate call, same rounds, same decisions
+
+
+def recorded_rounds(monkeypatch):
+    """Every ``(A, L, F)`` handed to a guard, in order (a spy on ``SpeculationGuard.record``)."""
+    calls = []
+    record = SpeculationGuard.record
+
+    def spy(self, accepted, drafted=None, free=0):
+        calls.append((int(accepted), drafted, int(free)))
+        return record(self, accepted, drafted, free)
+
+    monkeypatch.setattr(SpeculationGuard, "record", spy)
+    return calls
+
+
+def test_every_route_charges_each_round_its_own_window(tmp_path, models, monkeypatch):
+    """Adaptive windows (h > 0) of 1-3 tokens, each charged ``c_L``: the fast loop hands the guard the drafted length
+    of every round, HF's loop the same ``(A, L, F)`` round by round, so both pause at the same rounds."""
+    target, drafter = models[0], models[1]
+    policy = AdaptiveWindowPolicy(3, 0.05, guard=GUARD_TABLE)
+    assistant = load_assistant(save_assistant(copy.deepcopy(drafter), tmp_path / "d", policy=policy))
+    assistant.generation_config.eos_token_id = None
+    guard = guard_of(assistant)
+    calls = recorded_rounds(monkeypatch)
+    lengths, paused = set(), 0
+    for ids in prompts():
+        calls.clear()
+        fast = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=40, eos_token_id=[])
+        fast_calls = list(calls)
+        drafting = [(a, length, 0) for a, length in zip(fast.accepted_per_round, fast.drafted_per_round) if length]
+        # each drafting round is recorded when the next one starts, but the last one and one drafted as a pause began
+        rest = iter(drafting)
+        assert all(call in rest for call in fast_calls) and len(drafting) - len(fast_calls) <= 1 + fast.guard_decisions.count(False)
+        calls.clear()
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant, do_sample=False,
+                              max_new_tokens=40, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert out == fast.new_tokens and calls == fast_calls and guard.decisions == fast.guard_decisions
+        lengths |= {length for _, length, _ in fast_calls}
+        paused += fast.guard_decisions.count(False)
+    assert len(lengths) > 1 and paused > 0  # the windows did vary, and the guard did act
 
 
 def test_no_speculation_decodes_plainly_on_every_route(tmp_path, models):

@@ -59,10 +59,11 @@ def test_bad_arguments_fail_before_anything_compiles(models):
 
 
 def test_loop_overhead_is_the_host_work_the_forwards_do_not_explain(models, monkeypatch):
-    """measure_loop_overhead runs the loop: host delays added to every drafting round and to every drafted token (not
-    to plain steps) show up in round_overhead and drafted_token_overhead at about their size over t_t, and not in
-    plain_overhead. The delays (20 ms) dwarf the tiny models' forwards (about a millisecond), so the margins hold on a
-    loaded machine."""
+    """measure_loop_overhead times the loop's rounds: host delays added to every drafting round and to every drafted
+    token (not to plain steps) show up in round_overhead and drafted_token_overhead at about their size over t_t, and
+    not in plain_overhead; the cost model's round times are then the loop's median rounds over its median plain
+    step. The delays (20 ms) dwarf the tiny models' forwards (about a millisecond), so the margins hold on a loaded
+    machine."""
     import time
 
     from ppow_trl.serving import generation
@@ -72,7 +73,7 @@ def test_loop_overhead_is_the_host_work_the_forwards_do_not_explain(models, monk
     target, close = models
     with torch.no_grad():
         cost = calibrate_cost_model(target, close, max_window=2, context_length=16, repeats=5, warmup=1)
-    measure_loop_overhead(target, close, cost, 3, tokens=(4, 10), repeats=3)
+    measure_loop_overhead(target, close, cost, 3, new_tokens=10, repeats=3)
     quiet = cost.plain_overhead, cost.round_overhead, cost.drafted_token_overhead
     assert min(quiet) >= 0 and "loop_overhead" in cost.raw_seconds
     delay = 0.02
@@ -83,13 +84,19 @@ def test_loop_overhead_is_the_host_work_the_forwards_do_not_explain(models, monk
         return verify(window, logits)
 
     monkeypatch.setattr(generation, "greedy_verify_one", slow_per_round_and_token)
-    measure_loop_overhead(target, close, cost, 3, tokens=(4, 10), repeats=3)
+    measure_loop_overhead(target, close, cost, 3, new_tokens=10, repeats=3)
     t_t = cost.raw_seconds["target_step"]
     assert 0.6 < (cost.round_overhead - quiet[1]) / (delay / t_t) < 1.6
     assert 0.6 < (cost.drafted_token_overhead - quiet[2]) / (delay / t_t) < 1.6
     assert cost.plain_overhead < quiet[0] + 0.3 * delay / t_t
-    with pytest.raises(ValueError, match="n1 < n2"):
-        measure_loop_overhead(target, close, cost, 2, tokens=(8, 8))
+    medians = cost.raw_seconds["loop_overhead"]["median_round_over_t_t"]
+    for length in (1, 3):
+        # over the loop's plain step (or t_t, where the forward timed alone was the slower)
+        plain_step = max(medians["0"], 1.0)
+        assert float(cost.round_time(torch.tensor([length]))[0]) == pytest.approx(medians[str(length)] / plain_step,
+                                                                                   rel=1e-4)
+    with pytest.raises(ValueError, match="new_tokens >= max_window"):
+        measure_loop_overhead(target, close, cost, 2, new_tokens=5)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])

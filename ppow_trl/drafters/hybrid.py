@@ -227,8 +227,10 @@ def hybrid_generate(*args, model, input_ids=None, generation_config=None, logits
         session = HybridSession(model)  # a new generation (or another sequence): start over
         model._ppow_session = session
     session.rollback(len(sequence) - 1)  # the inner drafter re-reads at least the last token: it gives its logits
+    looked_up = session.looked_up
     logits = session.extend(sequence)
-    return draft_window(model, session, logits, input_ids, generation_config, logits_processor, max_new_tokens)
+    return draft_window(model, session, logits, input_ids, generation_config, logits_processor, max_new_tokens,
+                        looked_up_before=looked_up)
 
 
 class HybridFamily(DrafterFamily):

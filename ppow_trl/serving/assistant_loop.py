@@ -29,11 +29,12 @@ def check_assistant_call(generation_config, input_ids, family: str) -> None:
 
 @torch.no_grad()
 def draft_window(model, session, logits, input_ids, generation_config, logits_processor=None, max_new_tokens=None,
-                 *, need_one: str = "") -> GenerateDecoderOnlyOutput:
+                 *, need_one: str = "", looked_up_before: int | None = None) -> GenerateDecoderOnlyOutput:
     """Draft one window after the committed ``input_ids`` (batch 1) from ``logits`` (the session's next-token logits
     after them, ``None`` when it cannot draft yet) under the policy in ``model``'s generation config; the session
     is rolled back to the committed tokens afterwards. ``need_one``: the message when no token could be drafted
-    (HF's loop needs at least one candidate)."""
+    (HF's loop needs at least one candidate). ``looked_up_before``: the session's ``looked_up`` count before
+    ``logits`` were computed (a hybrid's), so the guard charges no drafter step for the window's lookups."""
     sequence = input_ids[0].tolist()
     committed = len(sequence)
     policy = ppow_window_policy(model)
@@ -48,6 +49,8 @@ def draft_window(model, session, logits, input_ids, generation_config, logits_pr
     guard = guard_of(model)
     if guard is not None:
         guard.drafting_call(sequence)
+    if looked_up_before is None:
+        looked_up_before = getattr(session, "looked_up", 0)
     while logits is not None and len(scores) < limit:
         processed = logits_processor(ids, logits.float()) if logits_processor else logits.float()
         token = (torch.multinomial(torch.softmax(processed, -1), 1) if do_sample else processed.argmax(-1, keepdim=True))
@@ -60,5 +63,5 @@ def draft_window(model, session, logits, input_ids, generation_config, logits_pr
     if not scores:
         raise RuntimeError(need_one or "The drafter proposed no token; HF's assisted loop needs at least one.")
     if guard is not None:
-        guard.drafted(committed, ids[0, committed:].tolist())
+        guard.drafted(committed, ids[0, committed:].tolist(), getattr(session, "looked_up", 0) - looked_up_before)
     return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), cache=None)

@@ -42,8 +42,11 @@ def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_m
     """The online guard of ``policy`` (``SpeculationGuard``'s saved settings) from its rollouts on the calibration
     contexts, ``rollout = (confidences, prefix_acceptance, charged)``:
 
-    - break-even ``b = mean_n (M_n t_d + t_v(L_n)) / t_t``, the rule's mean round time (a round must yield that many
-      tokens to pay);
+    - round costs ``round_costs[L] = CostModel.round_time(L)`` for ``L = 0..K`` and ``free_token_saving = t_d / (1 +
+      o_0)`` (0 for a block drafter): each drafting round is charged its own window's cost, less the drafter steps
+      its free tokens (a hybrid's lookups) did not take;
+    - break-even ``b = mean_n (M_n t_d + t_v(L_n)) / t_t``, the rule's mean round time on the calibration contexts
+      (informational, and what a route that cannot tell ``L`` charges);
     - loss budget ``H = max(1, 2 (b - 1), c sigma_A)`` target steps, ``c = settings["loss_spreads"]`` standard
       deviations of the accepted length per round (``accepted_spread_within``): the time speculation may lose before a
       pause, in units of its own noise, so that a rule that pays is seldom paused by a run of misses; at least one
@@ -60,7 +63,10 @@ def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_m
     lengths = policy.window_lengths(confidences)
     break_even = float(cost_model.round_time(lengths, charged_within(charged, lengths)).mean())
     budget = guard_loss_budget(break_even, accepted_spread_within(prefix, lengths), spreads)
-    return {**settings, "break_even_tokens": break_even, "loss_budget": budget}
+    round_costs = cost_model.round_time(torch.arange(policy.max_window + 1)).tolist()
+    saving = 0.0 if cost_model.drafter_per_round else cost_model.drafter_cost / (1.0 + cost_model.plain_overhead)
+    return {**settings, "break_even_tokens": break_even, "loss_budget": budget,
+            "round_costs": [round(c, 6) for c in round_costs], "free_token_saving": round(saving, 6)}
 
 
 def fit_drafter_confidences(drafter, contexts) -> dict:

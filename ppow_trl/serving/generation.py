@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import torch
 
@@ -74,6 +75,7 @@ class SpeculativeOutput:
     max_window: int
     finished_by_eos: bool = False
     guard_decisions: list[bool] | None = None  # per round, whether the guard let it draft (None: no guard)
+    round_seconds: list[float] = field(default_factory=list)  # per round, its wall time (drafting, verify, host work)
     free_drafted: int = 0  # drafted tokens whose drafter forward did not run (a hybrid's lookups): not charged t_d
 
     @property
@@ -194,14 +196,14 @@ def _truncate_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]
     return tokens, False
 
 
-def round_cap(policy: AdaptiveWindowPolicy, guard, room: int, previous_accepted: int | None) -> int:
+def round_cap(policy: AdaptiveWindowPolicy, guard, room: int, previous: tuple[int, int, int] | None) -> int:
     """The most tokens this round drafts: ``K`` (0 while the guard pauses), at most ``room``. A drafting round first
-    hands the guard the previous drafting round's ``A`` (``SpeculationGuard``'s protocol, the one HF's loop imposes);
-    call once per round."""
+    hands the guard the previous drafting round's ``(A, L, F)``: accepted, drafted, and drafted free
+    (``SpeculationGuard``'s protocol, the one HF's loop imposes); call once per round."""
     drafting = guard is None or guard.decide()
     cap = min(policy.max_window if drafting else 0, room)
-    if guard is not None and cap > 0 and previous_accepted is not None:
-        guard.record(previous_accepted)
+    if guard is not None and cap > 0 and previous is not None:
+        guard.record(*previous)
     return cap
 
 
@@ -243,7 +245,7 @@ def speculative_generate(
     layer_ids = session.target_layer_ids  # None for standalone drafters: the target returns no features
     target_cache = None
     target_forwards = prefill_forwards = 0
-    drafted, accepted_counts, emitted = [], [], []
+    drafted, accepted_counts, emitted, seconds = [], [], [], []
     finished_by_eos = False
 
     if len(prompt) > 1:  # the target's cache holds every committed token but the last one
@@ -252,11 +254,13 @@ def speculative_generate(
         session.add_features(features)
         prefill_forwards = target_forwards = 1
     guard = policy.new_guard()
-    previous_accepted = None  # A of the last drafting round, handed to the guard when the next one starts
+    previous = None  # (A, L, F) of the last drafting round, handed to the guard when the next one starts
 
     while not finished_by_eos and len(new_tokens) < max_new_tokens:
+        started = perf_counter()
         committed = len(sequence)
-        cap = round_cap(policy, guard, max_new_tokens - len(new_tokens) - 1, previous_accepted)
+        cap = round_cap(policy, guard, max_new_tokens - len(new_tokens) - 1, previous)
+        free_before = getattr(session, "looked_up", 0)
         window: list[int] = []
         drafter_probs: list[torch.Tensor] = []
         # every committed token the drafter has not read yet (None: nothing to draft from yet)
@@ -313,7 +317,8 @@ def speculative_generate(
         accepted_counts.append(accepted)
         emitted.append(len(round_tokens))
         if length:
-            previous_accepted = accepted
+            previous = (accepted, length, getattr(session, "looked_up", 0) - free_before)
+        seconds.append(perf_counter() - started)
 
     device = input_ids.device if isinstance(input_ids, torch.Tensor) else torch.device("cpu")
     return SpeculativeOutput(
@@ -329,6 +334,7 @@ def speculative_generate(
         max_window=policy.max_window,
         finished_by_eos=finished_by_eos,
         guard_decisions=None if guard is None else list(guard.decisions),
+        round_seconds=seconds,
     )
 
 
@@ -419,13 +425,16 @@ def exact_greedy_tau(
 
     done = 0
     accepted_counts, emitted = [], []
-    guard, previous_accepted = policy.new_guard(), None  # the loop's guard, replayed (it reads A only)
+    # The loop's guard, replayed: it reads each drafting round's (A, L, F); L is the teacher-forced window's length,
+    # the served one unless the window went on past the token after its first rejection (SpeculationGuard)
+    guard, previous = policy.new_guard(), None
     while done < total:
-        cap = round_cap(policy, guard, max_new_tokens - done - 1, previous_accepted)
+        cap = round_cap(policy, guard, max_new_tokens - done - 1, previous)
         if cap > 0:
             leading = int(matches[done, :cap].long().cumprod(0).sum())
-            length = int(policy.window_lengths(confidences[done].unsqueeze(0))[0])
-            accepted = previous_accepted = min(leading, length, cap)
+            length = min(int(policy.window_lengths(confidences[done].unsqueeze(0))[0]), cap)
+            accepted = min(leading, length)
+            previous = (accepted, length, 0)
         else:
             accepted = 0
         tokens = min(accepted + 1, total - done)

@@ -122,8 +122,10 @@ def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | 
     guard = policy.new_guard()
     guard_text = "no online guard" if guard is None else (
         f"online guard: drafting pauses for {guard.probe_every} tokens (doubling while resumptions keep losing) once "
-        f"rounds that cost {guard.break_even_tokens:.2f} steps each have lost {guard.loss_budget:.2f} steps against "
-        "plain decoding since they last broke even")
+        + (f"rounds that cost {guard.break_even_tokens:.2f} steps each" if guard.round_costs is None else
+           "rounds charged their own window's cost (L = 1.." + f"{len(guard.round_costs) - 1}: "
+           + " / ".join(f"{c:.2f}" for c in guard.round_costs[1:]) + " steps)")
+        + f" have lost {guard.loss_budget:.2f} steps against plain decoding since they last broke even")
     return (f"K = {policy.max_window}, h = {policy.threshold:.2f}"
             + (f", predicted {predicted:.3f}x on {calibration.get('num_contexts')} held-out contexts"
                if predicted is not None else "")

@@ -94,30 +94,32 @@ class ServingRuntime:
 
 
 def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: int, *, context_ids=None,
-                          vocab_size: int | None = None, tokens: tuple[int, int] = (12, 36), repeats: int = 3,
+                          vocab_size: int | None = None, new_tokens: int = 36, repeats: int = 3,
                           seed: int = 0) -> CostModel:
-    """Fill ``cost_model``'s loop overheads (``o_0``, ``o_r``, ``o_d``: ``CostModel``) by running the serving loop.
+    """Fill ``cost_model``'s loop overheads (``o_0``, ``o_r``, ``o_d``: ``CostModel``) by running the serving loop, so
+    that its round times are the loop's own.
 
     ``speculative_generate`` runs plain (``K = 0``) and with fixed windows of ``1`` and ``max_window`` tokens
-    (``h = 0``), each for ``n1`` and ``n2`` new tokens (``tokens``), back to back, ``repeats`` times. The forwards'
-    share of a run is what the cost model predicts for its rounds, ``F = t_t sum_rounds (M t_d + t_v(L))`` (``M``: the
-    drafted tokens a drafter forward ran for, ``L`` but a hybrid's lookups, ``free_drafted``); the rest,
-    ``H = W - F`` with ``W`` the wall time, is host work. The difference ``d`` between the ``n2`` and the ``n1`` runs
-    cancels the prefill. Then
+    (``h = 0``), ``new_tokens`` each, in the order 0, 1, K, K, 1, 0, ``repeats`` times; it times every round
+    (``round_seconds``).
+    With ``T_0`` the median plain round, ``T_L`` the median round that drafted ``L`` tokens (the first round of a run
+    left out: the drafter reads the whole context there) and ``t_t``, ``t_d``, ``t_v(L)`` the forwards timed alone:
 
-        ``o_0 = median_repeats d(H) / d(R) / t_t`` over the plain runs (``R``: rounds), and
-        ``d(H) - o_0 t_t d(R_0) = t_t (o_r d(R_+) + o_d d(D))`` over the drafting runs, solved by least squares,
+        ``o_0 = T_0 / t_t - 1``,  ``o_r + L o_d = (T_L / t_t) - (L t_d + t_v(L))`` for ``L = 1, max_window``,
 
-    with ``R_0`` the rounds that drafted nothing (the window is capped by the tokens left), ``R_+`` the drafting
-    rounds and ``D`` the drafted tokens (per drafted token: its argmax, its confidence; per round: verification, both
-    caches' rollback), solved per repeat, the median over repeats kept. Negative estimates (noise) count as 0.
+    so that ``CostModel.round_time(L) = T_L / T_0``: a round as the loop runs it, over a plain step as the loop runs
+    it. What the forwards timed alone miss goes here: the host work (argmax, confidences, verification, both caches'
+    rollback) and, on a CPU, a target whose weights the drafter's forward pushed out of the cache (on an Intel Xeon
+    with an int8 target, rounds of one drafted token cost 1.24 steps where the forwards timed alone gave 1.14).
+    Medians: a round slowed by a neighbour on the machine does not set the rule. Negative estimates (the forwards
+    timed alone were slower than the loop's) count as 0, which overstates a round's cost, never understates it.
     ``context_ids``: the context to generate after (a random one of 64 tokens when ``None``), cut to leave room in a
     static cache; ``vocab_size``: the shared vocabulary (default: the narrower model's logits). Returns
     ``cost_model``, changed in place.
     """
-    if max_window < 1 or not 0 < tokens[0] < tokens[1] or repeats < 1:
-        raise ValueError(f"measure_loop_overhead needs max_window >= 1, 0 < n1 < n2 and repeats >= 1, got "
-                         f"{max_window}, {tokens}, {repeats}.")
+    if max_window < 1 or new_tokens < max_window + 4 or repeats < 1:
+        raise ValueError(f"measure_loop_overhead needs max_window >= 1, new_tokens >= max_window + 4 (rounds of a "
+                         f"full window after the first) and repeats >= 1, got {max_window}, {new_tokens}, {repeats}.")
     t_t = cost_model.raw_seconds.get("target_step")
     if not t_t:
         raise ValueError("measure_loop_overhead needs a measured cost model (raw_seconds['target_step']).")
@@ -127,65 +129,49 @@ def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: in
         context_ids = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(seed))
     room = getattr(target, "max_cache_len", None)
     if room is not None:
-        keep = room - tokens[1] - max_window - 2
+        keep = room - new_tokens - max_window - 2
         if keep < 1:
-            raise ValueError(f"A static cache of {room} positions leaves no room for a context and {tokens[1]} new "
-                             f"tokens: pass smaller tokens=, or build the runtime with a larger max_cache_len.")
+            raise ValueError(f"A static cache of {room} positions leaves no room for a context and {new_tokens} new "
+                             f"tokens: pass a smaller new_tokens=, or build the runtime with a larger max_cache_len.")
         context_ids = context_ids[:, -keep:]
     context_ids = context_ids.to(device)
     vocab_size = vocab_size or min(logits_width(target), logits_width(drafter))
     windows = sorted({0, 1, max_window})
-    bare = CostModel(cost_model.drafter_cost, cost_model.verify_cost, drafter_per_round=cost_model.drafter_per_round)
+    rounds = {window: [] for window in windows}  # seconds of the rounds that drafted exactly `window` tokens
 
-    def run(window, new_tokens):
-        policy = AdaptiveWindowPolicy(window, 0.0)
-        started = time.perf_counter()
-        out = speculative_generate(target, drafter, context_ids, policy=policy, max_new_tokens=new_tokens,
-                                   eos_token_id=[], vocab_size=vocab_size)
-        wall = time.perf_counter() - started
-        lengths = torch.tensor(out.drafted_per_round)
-        # The forwards' time: t_d only for the drafted tokens a drafter forward ran for (a hybrid's lookups are
-        # free; their host work stays in the host time, as it does when serving).
-        forwards = float(bare.round_time(lengths).sum()) - out.free_drafted * bare.drafter_cost
-        # host time, then the rounds that drafted nothing (the last one or two: the window is capped by the tokens
-        # left), the drafting rounds and the drafted tokens
-        return torch.tensor([wall - forwards * t_t, float((lengths == 0).sum()),
-                             float((lengths > 0).sum()), float(lengths.sum())], dtype=torch.float64)
+    def run(window):
+        out = speculative_generate(target, drafter, context_ids, policy=AdaptiveWindowPolicy(window, 0.0),
+                                   max_new_tokens=new_tokens, eos_token_id=[], vocab_size=vocab_size)
+        pairs = list(zip(out.drafted_per_round, out.round_seconds))[1:]
+        rounds[window] += [seconds for length, seconds in pairs if length == window]
 
-    deltas = {window: [] for window in windows}  # (n2 run) - (n1 run): the prefill cancels
     with torch.no_grad():
-        run(max_window, tokens[0])  # untimed: first calls (allocations, the drafter's cache)
+        run(max_window)  # untimed: first calls (allocations, the drafter's cache)
+        rounds[max_window].clear()
         for _ in range(repeats):
-            for window in windows:
-                deltas[window].append(run(window, tokens[1]) - run(window, tokens[0]))
-    plain = [float(d[0] / d[1]) for d in deltas[0] if d[1] > 0]
-    if not plain:
-        raise RuntimeError(f"measure_loop_overhead: {tokens[1]} new tokens took no more steps than {tokens[0]}.")
-    cost_model.plain_overhead = max(0.0, statistics.median(plain)) / t_t
-    # Drafting runs: host time - o_0 (plain rounds) = o_r (drafting rounds) + o_d (drafted tokens), one equation per
-    # window length, solved per repeat (least squares; exact with two lengths), then the median over repeats: one
-    # run slowed by a neighbour on the machine must not set the rule (a summed solve once gave prompt lookup
-    # o_d = 0.2 of a step per looked-up token, and K = 0).
-    estimates = [_round_and_token_overhead(torch.stack([deltas[window][i] for window in windows if window > 0]),
-                                           cost_model.plain_overhead, t_t, max_window) for i in range(repeats)]
-    cost_model.round_overhead = statistics.median(o_r for o_r, _ in estimates)
-    cost_model.drafted_token_overhead = statistics.median(o_d for _, o_d in estimates)
+            for window in windows + windows[::-1]:  # ABBA: a machine that slows or speeds up weighs on every arm alike
+                run(window)
+    if any(not times for times in rounds.values()):
+        raise RuntimeError(f"measure_loop_overhead: no round drafted exactly {[w for w, t in rounds.items() if not t]} "
+                           "tokens.")
+    median = {window: statistics.median(times) / t_t for window, times in rounds.items()}
+    cost_model.plain_overhead = max(0.0, median[0] - 1.0)
+    # what the loop's round of L tokens costs beyond its forwards, in target steps
+    bare = CostModel(cost_model.drafter_cost, cost_model.verify_cost, drafter_per_round=cost_model.drafter_per_round)
+    excess = {L: median[L] - float(bare.round_time(torch.tensor([L]))[0]) for L in windows if L > 0}
+    if max_window == 1:
+        o_r, o_d = excess[1], 0.0
+    else:
+        o_d = (excess[max_window] - excess[1]) / (max_window - 1)
+        o_r = excess[1] - o_d
+        if o_d < 0:  # all of it per round, at the larger of the two
+            o_r, o_d = max(excess.values()), 0.0
+    cost_model.round_overhead, cost_model.drafted_token_overhead = max(0.0, o_r), max(0.0, o_d)
     cost_model.raw_seconds["loop_overhead"] = {
         "plain_step": cost_model.plain_overhead * t_t, "drafting_round": cost_model.round_overhead * t_t,
-        "drafted_token": cost_model.drafted_token_overhead * t_t, "windows": windows, "tokens": list(tokens),
-        "repeats": repeats}
+        "drafted_token": cost_model.drafted_token_overhead * t_t, "windows": windows, "new_tokens": new_tokens,
+        "repeats": repeats, "median_round_over_t_t": {str(window): round(value, 4) for window, value in median.items()}}
     return cost_model
-
-
-def _round_and_token_overhead(rows: torch.Tensor, plain_overhead: float, t_t: float, max_window: int):
-    """``(o_r, o_d)`` from one repeat's drafting runs (``measure_loop_overhead``); negative estimates count as 0."""
-    excess = (rows[:, 0] - plain_overhead * t_t * rows[:, 1]) / t_t
-    if len(rows) == 1 or max_window == 1:
-        return max(0.0, float(excess.sum() / rows[:, 2].sum())), 0.0
-    solution = torch.linalg.lstsq(rows[:, 2:], excess.unsqueeze(-1)).solution.squeeze(-1)
-    if solution[1] < 0:  # all of it per round
-        return max(0.0, float(excess.sum() / rows[:, 2].sum())), 0.0
-    return max(0.0, float(solution[0])), float(solution[1])
 
 
 def check_runtime(runtime: str) -> str:

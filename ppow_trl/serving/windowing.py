@@ -104,10 +104,12 @@ class AdaptiveWindowPolicy:
             ``ppow_trl.serving.calibration.calibrate_policy``: the regime they are for (``"greedy"`` or ``"sampling"``
             and its temperature), the number of held-out contexts, the predicted speedup. ``None``: set by hand.
         guard (`dict`, *optional*): the online guard of every generation, ``{"break_even_tokens": b, "loss_budget": H,
-            "probe_every": N, "max_pause": M}`` (``SpeculationGuard``): drafting pauses for ``N`` rounds once the
-            rounds, each costing ``b`` steps and yielding ``A + 1`` tokens, have lost more than ``H`` steps against
-            plain decoding since they last broke even; it resumes with ``H / 2`` spent, and the pause doubles (up to
-            ``M``) while resumptions keep losing. ``None``: no guard.
+            "probe_every": N, "max_pause": M, "round_costs": [c_0, ..., c_K], "free_token_saving": s}``
+            (``SpeculationGuard``): drafting pauses for ``N`` rounds once the drafting rounds, each costing its own
+            window's ``c_L`` steps (less ``s`` per free token; ``b`` each for a rule saved without the table) and
+            yielding ``A + 1`` tokens, have lost more than ``H`` steps against plain decoding since they last broke
+            even; it resumes with ``H / 2`` spent, and the pause doubles (up to ``M``) while resumptions keep losing.
+            ``None``: no guard.
 
     ``max_window = 0`` means no speculation: every route decodes plainly (the serving calibration chooses it when the
     measured cost model predicts under ``SERVED_MIN_SPEEDUP`` for every ``(K, h)``).

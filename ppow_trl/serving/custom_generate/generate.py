@@ -142,43 +142,58 @@ GUARD_LEGACY_KEYS = ("window", "margin")
 class SpeculationGuard:
     """The online guard of one generation: pause drafting once speculation has lost a budget of time, probe to resume.
 
-    A drafting round costs ``b = break_even_tokens`` target steps on average: the mean round time ``E[L t_d +
-    t_v(L)] / t_t`` of the calibrated rule (measured cost model, held-out contexts; saved with the policy). It yields
-    ``A + 1`` tokens, so against plain decoding it gains ``A + 1 - b`` steps. The guard keeps the time speculation has
-    lost since it last broke even, a one-sided CUSUM on that gain (Page, 1954):
+    A drafting round that drafted ``L`` tokens, ``F`` of them free (a hybrid's lookups: no drafter forward), costs
 
-        ``S_n = max(0, S_{n-1} + b - (A_n + 1))``,  pause when ``S_n > H`` (``loss_budget``, in target steps).
+        ``c(L, F) = round_costs[L] - F * free_token_saving``  target steps
+
+    (``round_costs[L] = CostModel.round_time(L)``, ``(L t_d + t_v(L) + o_r + L o_d) / (1 + o_0)``, measured on the
+    serving runtime and saved with the rule; ``free_token_saving = t_d / (1 + o_0)``). It yields ``A + 1`` tokens,
+    so against plain decoding it gains ``A + 1 - c`` steps. The guard keeps the time speculation has lost since it
+    last broke even, a one-sided CUSUM on that gain (Page, 1954):
+
+        ``S_n = max(0, S_{n-1} + c(L_n, F_n) - (A_n + 1))``,  pause when ``S_n > H`` (``loss_budget``, in target steps).
+
+    Why each round's own cost and not the rule's mean: the rule's windows are as long as the drafter is confident,
+    and on new text that is not the calibration's mix. Charged the calibration's mean round (1.08 steps for the
+    int8 target's rule on an Intel Xeon), rounds of three drafted tokens (1.40 steps each) lost unseen, and the rule
+    served 0.91x. A rule saved without ``round_costs`` charges every drafting round ``break_even_tokens``.
 
     Why a budget and not a window mean: a rule that pays on average has misses in a row by chance (K = 1 at first-token
     acceptance 0.19 misses 8 rounds in a row with probability 0.19), and a window mean under ``b`` paused it on that
     noise; the calibration sets ``H`` from the rule's own spread of ``A`` (``ppow_trl.serving.calibration.guard_for_rule``,
     5 standard deviations, at least two missed rounds), so a drafter that pays is paused less often and for less
     (a marginal K = 1 rule at 1.07x still spends about 15% of its rounds paused, at 1% of its speedup) while one whose
-    acceptance collapsed pauses after losing about ``H`` steps. A proposer that costs nothing to run (prompt lookup, ``b ~ 1``) loses little per miss and
-    is paused late, as it should: pausing it would save little and forfeit the next hits.
+    acceptance collapsed pauses after losing about ``H`` steps. A proposer that costs nothing to run (prompt lookup,
+    ``c ~ 1``) loses little per miss and is paused late, as it should: pausing it would save little and forfeit the
+    next hits.
 
     While paused, ``pause`` rounds decode plainly (``K = 0``: one target forward, one token); then drafting resumes with
     half the budget already spent (``S = H / 2``, a fast-initial-response CUSUM): a drafter that still loses pauses
     again after losing ``H / 2`` more, and the pause doubles (up to ``max_pause``); a resumption holds when ``S``
-    comes back to 0 or lasts ``probe_every`` drafting rounds, and the next pause is ``probe_every`` again. Only accepted lengths are read, never window lengths, so exact
-    greedy tau (which knows ``A`` but not the length of rejected windows) replays the guard exactly.
+    comes back to 0 or lasts ``probe_every`` drafting rounds, and the next pause is ``probe_every`` again.
 
     One protocol on every route, fixed by what Hugging Face's assisted loop can know: a route calls ``decide()``
-    once at the start of every round (plain ones included), and, when a drafting round starts, ``record(A)`` with
-    the accepted length of the previous drafting round (HF's hook learns it only then, from the committed ids).
+    once at the start of every round (plain ones included), and, when a drafting round starts, ``record(A, L, F)``
+    for the previous drafting round (HF's hook learns ``A`` only then, from the committed ids).
     An outcome thus weighs from the second decision after its round on; the round that was being drafted when a
-    pause began is not counted.
+    pause began is not counted. Exact greedy tau (``exact_greedy_tau``) replays the guard with the window lengths of
+    its teacher-forced confidences, which are the served ones whenever a window ends at most one token after its
+    first rejected token (always with ``h = 0``); the hybrid's replay charges its lookups as drafted.
     """
 
     def __init__(self, break_even_tokens: float, loss_budget: float = 3.0, probe_every: int = 32,
-                 max_pause: int = 512):
+                 max_pause: int = 512, round_costs: list[float] | None = None, free_token_saving: float = 0.0):
+        costs_ok = round_costs is None or (len(round_costs) >= 2 and all(c > 0 for c in round_costs))
         if (not break_even_tokens > 0 or not loss_budget > 0 or int(probe_every) < 1
-                or int(max_pause) < int(probe_every)):
+                or int(max_pause) < int(probe_every) or not costs_ok or not free_token_saving >= 0):
             raise ValueError(f"Invalid speculation guard: break_even_tokens={break_even_tokens} (need > 0), "
                              f"loss_budget={loss_budget} (need > 0), probe_every={probe_every} (need >= 1), "
-                             f"max_pause={max_pause} (need >= probe_every).")
+                             f"max_pause={max_pause} (need >= probe_every), round_costs={round_costs} (need None or "
+                             f"positive costs for L = 0..K, K >= 1), free_token_saving={free_token_saving} (need >= 0).")
         self.break_even_tokens, self.loss_budget = float(break_even_tokens), float(loss_budget)
         self.probe_every, self.max_pause = int(probe_every), int(max_pause)
+        self.round_costs = None if round_costs is None else [float(c) for c in round_costs]
+        self.free_token_saving = float(free_token_saving)
         self.reset()
 
     @classmethod
@@ -201,7 +216,7 @@ class SpeculationGuard:
         self.resumed_rounds = 0  # drafting rounds counted since the resumption
         self.ignore_next = False
         self.decisions = []  # per round, True = drafted (for inspection and tests)
-        self.last_window = None  # HF's routes: (committed length, drafted ids) of the last drafting call
+        self.last_window = None  # HF's routes: (committed length, drafted ids, free ones) of the last drafting call
 
     def decide(self) -> bool:
         """Whether this round drafts (call once at the start of every round)."""
@@ -213,12 +228,23 @@ class SpeculationGuard:
         self.decisions.append(draft)
         return draft
 
-    def record(self, accepted: int) -> None:
-        """The accepted length ``A`` of the previous drafting round, given when the next drafting round starts."""
+    def round_cost(self, drafted: int | None = None, free: int = 0) -> float:
+        """``c(L, F)`` in target steps: ``round_costs[L] - F * free_token_saving`` (``break_even_tokens`` when the rule
+        has no table or the length is not known); lengths past the table cost its last step more per token."""
+        if self.round_costs is None or drafted is None:
+            return self.break_even_tokens
+        costs, drafted = self.round_costs, int(drafted)
+        last = len(costs) - 1
+        cost = costs[drafted] if drafted <= last else costs[last] + (drafted - last) * (costs[last] - costs[last - 1])
+        return max(cost - int(free) * self.free_token_saving, 0.0)
+
+    def record(self, accepted: int, drafted: int | None = None, free: int = 0) -> None:
+        """The previous drafting round, given when the next drafting round starts: its accepted length ``A``, how many
+        tokens it drafted (``L``) and how many of those came free (``F``, a hybrid's lookups)."""
         if self.ignore_next:  # drafted while the pause was being decided: not counted
             self.ignore_next = False
             return
-        self.lost = max(0.0, self.lost + self.break_even_tokens - (int(accepted) + 1))
+        self.lost = max(0.0, self.lost + self.round_cost(drafted, free) - (int(accepted) + 1))
         self.resumed_rounds += 1
         if self.resumed and (self.lost == 0.0 or self.resumed_rounds >= self.probe_every):
             # back at break-even, or drafting as long as a pause lasts: the resumption held (a rule that pays
@@ -234,19 +260,20 @@ class SpeculationGuard:
         the drafter's state can keep (the previous start plus ``A``; ``None`` on the first call)."""
         if self.last_window is None:
             return None
-        start, drafted = self.last_window
+        start, drafted, free = self.last_window
         accepted = 0
         for token, kept in zip(drafted, committed[start : start + len(drafted)]):
             if token != kept:
                 break
             accepted += 1
-        self.record(accepted)
+        self.record(accepted, len(drafted), free)
         self.last_window = None
         return start + accepted
 
-    def drafted(self, start: int, tokens) -> None:
-        """HF's routes: the window just proposed after ``start`` committed ids (read back at the next call)."""
-        self.last_window = (int(start), [int(t) for t in tokens])
+    def drafted(self, start: int, tokens, free: int = 0) -> None:
+        """HF's routes: the window just proposed after ``start`` committed ids, ``free`` of its tokens proposed without
+        a drafter forward (read back at the next call)."""
+        self.last_window = (int(start), [int(t) for t in tokens], int(free))
 
     def _pause(self) -> None:
         if self.resumed:  # the last resumption lost again: wait longer before the next
