@@ -110,10 +110,10 @@ def test_guard_state_machine_equals_the_rule_written_out(seed, table):
 
 
 def test_a_rule_whose_windows_grew_longer_than_calibrated_is_paused():
-    """The int8 target's rule on an Intel Xeon: calibrated rounds cost 1.08 steps on average (mostly one drafted
-    token), served rounds drafted three tokens (1.40 steps each) and yielded 1.2 tokens. Charged the calibration's
-    mean, every round seemed to gain 0.12 steps and the rule served 0.91x unpaused; charged its own window, each
-    round loses 0.2 steps and the guard pauses it."""
+    """A rule calibrated where the drafter's confidence ended most windows after one token (rounds of 1.08 steps on
+    average) meets text where it drafts three (1.40 steps each) and yields 1.2 tokens a round. Charged the
+    calibration's mean, every round seems to gain 0.12 steps and the rule is never paused; charged its own window,
+    each round loses 0.2 steps and the guard pauses it."""
     costs = {"break_even_tokens": 1.08, "loss_budget": 3.1, "round_costs": [1.0, 1.05, 1.22, 1.40]}
     mean_charged = SpeculationGuard(**{**costs, "round_costs": None})
     own_charged = SpeculationGuard(**costs)
@@ -324,6 +324,64 @@ def test_every_route_charges_each_round_its_own_window(tmp_path, models, monkeyp
     assert len(lengths) > 1 and paused > 0  # the windows did vary, and the guard did act
 
 
+def test_across_generations_a_losing_drafter_starts_the_next_answer_paused():
+    """Short answers of a drafter that misses every round (rounds of 1.3 steps, budget 2.9): reset per answer, each
+    answer loses the budget again before its pause; carried over, the answers after the first start where the last
+    one left off, and the guard drafts far fewer of their rounds."""
+    def answers(guard, count=8, rounds=30):
+        drafted = []
+        for _ in range(count):
+            guard.new_generation()
+            drafted.append(sum(run_guard(guard, lambda: (0, 1), rounds=rounds)))
+        return drafted
+
+    settings = {"break_even_tokens": 1.3, "loss_budget": 2.9, "round_costs": [1.0, 1.3]}
+    per_answer = answers(SpeculationGuard(**settings))
+    carried = answers(SpeculationGuard(**settings, across_generations=True))
+    assert per_answer == [11] * 8  # over budget at the 10th miss (recorded a round late), in every answer
+    assert carried[0] == per_answer[0] and sum(carried[1:]) < sum(per_answer[1:]) / 2
+    # a drafter that pays is never paused, carried over or not
+    paying = SpeculationGuard(**settings, across_generations=True)
+    for _ in range(4):
+        paying.new_generation()
+        assert all(run_guard(paying, lambda: (1, 1), rounds=30))
+
+
+def test_the_loop_carries_the_guard_across_generations_and_exact_tau_replays_a_first_one(models):
+    """A policy whose guard carries over hands the fast loop one guard for all its generations: a generation that
+    ended paused makes the next one start paused; lossless throughout. exact_greedy_tau replays a generation as the
+    first one served (a fresh guard), so it equals the loop's first generation."""
+    target, drafter = models[0], models[1]  # the random drafter: mostly paused
+    policy = AdaptiveWindowPolicy(3, 0.0, guard={**GUARD, "across_generations": True})
+    assert policy.new_guard() is policy.new_guard() and policy.new_guard(fresh=True) is not policy.new_guard()
+    starts_paused = 0
+    for index, ids in enumerate(prompts()):
+        reference = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                                    pad_token_id=0)[0, ids.shape[1]:].tolist()
+        out = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=40, eos_token_id=[])
+        assert out.new_tokens == reference
+        starts_paused += not out.guard_decisions[0]
+        if index == 0:
+            exact = exact_greedy_tau(target, drafter, ids, policy=policy, max_new_tokens=40, eos_token_id=[])
+            assert exact.accepted_per_round == out.accepted_per_round
+    assert starts_paused > 0
+
+
+def test_hf_route_carries_its_guard_across_generate_calls_as_the_loop_does(tmp_path, models):
+    target, drafter = models[0], models[1]
+    policy = AdaptiveWindowPolicy(3, 0.0, guard={**GUARD, "across_generations": True})
+    assistant = load_assistant(save_assistant(copy.deepcopy(drafter), tmp_path / "d", policy=policy))
+    assistant.generation_config.eos_token_id = None
+    guard = guard_of(assistant)
+    assert guard.across_generations
+    for ids in prompts():
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant, do_sample=False,
+                              max_new_tokens=40, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        fast = speculative_generate(target, drafter, ids, policy=policy, max_new_tokens=40, eos_token_id=[])
+        assert out == fast.new_tokens
+        assert guard.decisions == fast.guard_decisions  # each route's guard carried over the same way
+
+
 def test_no_speculation_decodes_plainly_on_every_route(tmp_path, models):
     target, drafter = models[0], models[2]
     policy = AdaptiveWindowPolicy(0, 0.0)
@@ -411,6 +469,10 @@ def test_calibration_sets_the_guard_from_the_cost_of_the_chosen_rule(models):
         spread = torch.tensor(accepted, dtype=torch.float64).std(unbiased=False)
         assert policy.guard["loss_budget"] == pytest.approx(max(1.0, 2 * (expected - 1), 5.0 * float(spread)))
         assert policy.guard["probe_every"] == 32 and "loss_spreads" not in policy.guard
+        # each round is charged its own window: the cost model's round time of every length the rule can draft
+        expected_costs = cost.round_time(torch.arange(policy.max_window + 1)).tolist()
+        assert policy.guard["round_costs"] == pytest.approx(expected_costs, abs=1e-6)
+        assert policy.guard["free_token_saving"] == pytest.approx(0.05)
 
 
 def test_a_rule_calibrated_for_both_regimes_gets_the_guard_of_the_noisier_one(models):

@@ -223,7 +223,7 @@ class LlamaCppDrafter(_DraftBase):
             policy = policy.with_window(policy.max_window if max_window is None else max_window,
                                         policy.threshold if threshold is None else threshold)
         self.policy = policy
-        self.guard = policy.new_guard()
+        self.guard = policy.new_guard(fresh=True)  # its own, carried over by new_generation
         self._logits_ith = require_llama_cpp().llama_get_logits_ith  # read once per drafted token
         self.n_vocab = self.llama.n_vocab()
         self.rounds: list[tuple[int, int]] = []
@@ -238,7 +238,7 @@ class LlamaCppDrafter(_DraftBase):
     def _new_generation(self) -> None:
         self._pending = self._committed = None
         if self.guard is not None:
-            self.guard.reset()
+            self.guard.new_generation()
 
     def __call__(self, input_ids, /, **kwargs) -> np.ndarray:
         committed = np.array(input_ids, dtype=np.intc)  # a copy: llama-cpp-python passes a view of its buffer

@@ -29,7 +29,7 @@ from .windowing import (AdaptiveWindowPolicy, accepted_spread_within, charged_wi
 
 REGIMES = ("greedy", "sampling", "both")
 DEFAULT_THRESHOLDS = tuple(i / 20 for i in range(20))
-GUARD_SETTINGS = ("loss_spreads", "probe_every", "max_pause")
+GUARD_SETTINGS = ("loss_spreads", "probe_every", "max_pause", "across_generations")
 """The online guard's settings a calibration takes (``DEFAULT_GUARD``); the break-even and the budget are computed."""
 
 
@@ -51,7 +51,7 @@ def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_m
       deviations of the accepted length per round (``accepted_spread_within``): the time speculation may lose before a
       pause, in units of its own noise, so that a rule that pays is seldom paused by a run of misses; at least one
       step, and at least two missed rounds (a miss loses ``b - 1``), so that one miss never pauses a rule;
-    - ``probe_every`` and ``max_pause`` as given.
+    - ``probe_every``, ``max_pause`` and ``across_generations`` as given.
     """
     unknown = set(settings) - set(GUARD_SETTINGS)
     if "loss_spreads" not in settings or unknown:
@@ -218,7 +218,7 @@ def calibrate_policy(
         policy.guard = {**guards[regimes[0]],
                         "break_even_tokens": sum(g["break_even_tokens"] for g in guards.values()) / len(guards),
                         "loss_budget": max(g["loss_budget"] for g in guards.values())}
-        policy.new_guard()  # validates the settings
+        policy.new_guard(fresh=True)  # validates the settings
     fixed = AdaptiveWindowPolicy(max_window, 0.0, confidence_temperature)
     policy.calibration = {
         **({"fitted_confidences": fitted} if fitted else {}),

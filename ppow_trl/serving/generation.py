@@ -427,7 +427,7 @@ def exact_greedy_tau(
     accepted_counts, emitted = [], []
     # The loop's guard, replayed: it reads each drafting round's (A, L, F); L is the teacher-forced window's length,
     # the served one unless the window went on past the token after its first rejection (SpeculationGuard)
-    guard, previous = policy.new_guard(), None
+    guard, previous = policy.new_guard(fresh=True), None  # as the first generation served
     while done < total:
         cap = round_cap(policy, guard, max_new_tokens - done - 1, previous)
         if cap > 0:

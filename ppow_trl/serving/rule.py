@@ -19,10 +19,11 @@ from .cost import CostModel
 from .runtime import ServingRuntime
 from .windowing import SERVED_MIN_SPEEDUP, AdaptiveWindowPolicy
 
-DEFAULT_GUARD = {"loss_spreads": 5.0, "probe_every": 32, "max_pause": 512}
+DEFAULT_GUARD = {"loss_spreads": 5.0, "probe_every": 32, "max_pause": 512, "across_generations": True}
 """The online guard's settings (``SpeculationGuard``, ``guard_for_rule``): pause once speculation has lost
 ``H = max(1, 2 (b - 1), 5 sigma_A)`` target steps against plain decoding (5 standard deviations of the rule's accepted
-length per round, at least two missed rounds), for 32 rounds, doubling up to 512 while resumptions keep losing.
+length per round, at least two missed rounds), for 32 rounds, doubling up to 512 while resumptions keep losing; the
+time lost and a pause under way carry over from one generation to the next.
 Chosen on simulated rounds (``benchmarks/guard_simulation.py``, rules K = 1..4 on compiled costs): a rule that pays
 keeps 99.2-99.6% of its unguarded speedup over 128 tokens and 98.6-99.5% over 1,024, where the windowed guard it
 replaces (pause when 8 rounds averaged under 0.95 b) kept 93-96% and 90-95%. The price: a drafter whose acceptance
@@ -119,13 +120,14 @@ def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | 
         return ("No speculation (K = 0, plain decoding): no window rule was predicted "
                 + ("above 1x" if least <= 1.0 else f"at least {least:g}x") + " on this machine"
                 + (f" (best {best:.3f}x)" if best is not None else "") + f"{fitted_text}; {costs}.")
-    guard = policy.new_guard()
+    guard = policy.new_guard(fresh=True)
     guard_text = "no online guard" if guard is None else (
         f"online guard: drafting pauses for {guard.probe_every} tokens (doubling while resumptions keep losing) once "
         + (f"rounds that cost {guard.break_even_tokens:.2f} steps each" if guard.round_costs is None else
            "rounds charged their own window's cost (L = 1.." + f"{len(guard.round_costs) - 1}: "
            + " / ".join(f"{c:.2f}" for c in guard.round_costs[1:]) + " steps)")
-        + f" have lost {guard.loss_budget:.2f} steps against plain decoding since they last broke even")
+        + f" have lost {guard.loss_budget:.2f} steps against plain decoding since they last broke even"
+        + (", carried across generations" if guard.across_generations else ""))
     return (f"K = {policy.max_window}, h = {policy.threshold:.2f}"
             + (f", predicted {predicted:.3f}x on {calibration.get('num_contexts')} held-out contexts"
                if predicted is not None else "")

@@ -131,11 +131,24 @@ class AdaptiveWindowPolicy:
         if not float(self.confidence_temperature) > 0:
             raise ValueError(f"confidence_temperature (T_c) must be > 0, got {self.confidence_temperature!r}.")
         if self.guard is not None:
-            self.new_guard()  # validates the settings now, not at the first generation
+            self.new_guard(fresh=True)  # validates the settings now, not at the first generation
 
-    def new_guard(self) -> SpeculationGuard | None:
-        """A fresh ``SpeculationGuard`` for one generation (``None`` without a guard or without speculation)."""
-        return SpeculationGuard.from_settings(self.guard) if self.guard and self.max_window > 0 else None
+    def new_guard(self, fresh: bool = False) -> SpeculationGuard | None:
+        """The ``SpeculationGuard`` of one generation (``None`` without a guard or without speculation): a new one, or,
+        with ``across_generations`` in the settings, this policy's own guard carried over from its last generation
+        (``SpeculationGuard.new_generation``; one generation at a time). ``fresh``: a new one whatever the settings
+        (a replay of a generation as the first one served, ``exact_greedy_tau``)."""
+        if not self.guard or self.max_window == 0:
+            return None
+        if fresh or not self.guard.get("across_generations"):
+            return SpeculationGuard.from_settings(self.guard)
+        guard = self.__dict__.get("_carried_guard")
+        if guard is None or guard.settings_source is not self.guard:  # the settings were replaced: start over
+            guard = SpeculationGuard.from_settings(self.guard)
+            guard.settings_source = self.guard
+            self.__dict__["_carried_guard"] = guard
+        guard.new_generation()
+        return guard
 
     def confidence(self, logits: torch.Tensor) -> torch.Tensor:
         """``conf = max_v softmax(z / T_c)``: the drafter's confidence from its logits ``z`` (last dim = vocab)."""
@@ -311,7 +324,7 @@ def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy,
     ``vocab_size`` when given (the tokenizer's length: confidences over those scores only, as in training).
     """
     policy = _check_policy(policy)
-    guard = policy.new_guard()
+    guard = policy.new_guard(fresh=True)  # its own: HF starts each generation on it (WindowBudget)
     # K = 0: HF's loop asks for no candidate, every round is a plain target step. A guarded drafter gets a live
     # budget (K, or 0 while the guard pauses; it is written as K).
     generation_config.num_assistant_tokens = policy.max_window if guard is None else WindowBudget(policy.max_window,

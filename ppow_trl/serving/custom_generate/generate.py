@@ -154,9 +154,10 @@ class SpeculationGuard:
         ``S_n = max(0, S_{n-1} + c(L_n, F_n) - (A_n + 1))``,  pause when ``S_n > H`` (``loss_budget``, in target steps).
 
     Why each round's own cost and not the rule's mean: the rule's windows are as long as the drafter is confident,
-    and on new text that is not the calibration's mix. Charged the calibration's mean round (1.08 steps for the
-    int8 target's rule on an Intel Xeon), rounds of three drafted tokens (1.40 steps each) lost unseen, and the rule
-    served 0.91x. A rule saved without ``round_costs`` charges every drafting round ``break_even_tokens``.
+    and on new text that is not the calibration's mix. Charged the calibration's mean round, rounds of longer windows
+    than the calibration's lose unseen (a rule whose calibrated rounds cost 1.08 steps, mostly one drafted token,
+    seems to gain on rounds of three drafted tokens that cost 1.40 steps and yield 1.2 tokens). A rule saved without
+    ``round_costs`` charges every drafting round ``break_even_tokens``.
 
     Why a budget and not a window mean: a rule that pays on average has misses in a row by chance (K = 1 at first-token
     acceptance 0.19 misses 8 rounds in a row with probability 0.19), and a window mean under ``b`` paused it on that
@@ -182,7 +183,8 @@ class SpeculationGuard:
     """
 
     def __init__(self, break_even_tokens: float, loss_budget: float = 3.0, probe_every: int = 32,
-                 max_pause: int = 512, round_costs: list[float] | None = None, free_token_saving: float = 0.0):
+                 max_pause: int = 512, round_costs: list[float] | None = None, free_token_saving: float = 0.0,
+                 across_generations: bool = False):
         costs_ok = round_costs is None or (len(round_costs) >= 2 and all(c > 0 for c in round_costs))
         if (not break_even_tokens > 0 or not loss_budget > 0 or int(probe_every) < 1
                 or int(max_pause) < int(probe_every) or not costs_ok or not free_token_saving >= 0):
@@ -194,6 +196,7 @@ class SpeculationGuard:
         self.probe_every, self.max_pause = int(probe_every), int(max_pause)
         self.round_costs = None if round_costs is None else [float(c) for c in round_costs]
         self.free_token_saving = float(free_token_saving)
+        self.across_generations = bool(across_generations)
         self.reset()
 
     @classmethod
@@ -207,8 +210,20 @@ class SpeculationGuard:
                           stacklevel=2)
         return cls(**{key: value for key, value in settings.items() if key not in GUARD_LEGACY_KEYS})
 
+    def new_generation(self) -> None:
+        """A generation starts: ``reset()``, or with ``across_generations`` only the generation's own bookkeeping, so
+        that the time lost, a pause under way and its length carry over from the generations before (one served
+        rule meets one kind of traffic: a drafter that lost on the last answers starts the next one paused, instead
+        of losing the budget again on every answer; short answers are where a budget of several steps weighs)."""
+        if not self.across_generations:
+            self.reset()
+            return
+        self.ignore_next = False  # the round drafted as a pause began ended with its generation
+        self.decisions = []
+        self.last_window = None
+
     def reset(self) -> None:
-        """A new generation: speculating, nothing lost."""
+        """Speculating, nothing lost (a new generation without ``across_generations``)."""
         self.lost = 0.0  # S: target steps lost against plain decoding since speculation last broke even
         self.paused_left = 0
         self.pause = self.probe_every  # length of the next pause
@@ -291,7 +306,7 @@ class WindowBudget(int):
     candidate when it is 0, so a 0 from ``SpeculationGuard.decide()`` is a plain decoding round: one target
     forward, no drafter forward. It serialises as ``K``; copies (HF deep-copies the drafter's generation config
     per ``generate`` call, when it builds its candidate generator) share the guard, and that copy starts a new
-    generation (``SpeculationGuard.reset``).
+    generation (``SpeculationGuard.new_generation``).
     """
 
     def __new__(cls, max_window: int, guard: SpeculationGuard):
@@ -306,7 +321,7 @@ class WindowBudget(int):
         return self
 
     def __deepcopy__(self, memo):
-        self.guard.reset()  # AssistedCandidateGenerator.__init__: a new generate call
+        self.guard.new_generation()  # AssistedCandidateGenerator.__init__: a new generate call
         return self
 
     def __reduce__(self):
@@ -417,6 +432,8 @@ def generate(*args, model, **kwargs):
         if guard is not None:
             input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
             _catch_up(model, input_ids, kwargs.get("cache"), guard.drafting_call(input_ids[0].tolist()))
+            if kwargs.get("cache") is None:
+                _extend_prompt_masks(kwargs, input_ids.shape[1])
             # The drafter's own generate deep-copies its config: a plain K there, so that only HF's candidate
             # generator (built once per target.generate call) resets the guard.
             budget = model.generation_config.num_assistant_tokens
@@ -429,6 +446,20 @@ def generate(*args, model, **kwargs):
             return output
     # The class's generate (GenerationMixin's or the model's override), not this instance's replacement.
     return type(model).generate(model, *args, **kwargs)
+
+
+def _extend_prompt_masks(kwargs: dict, length: int) -> None:
+    """The generation's first drafting call came after plain rounds (a pause carried over from the last generation,
+    ``SpeculationGuard.across_generations``): HF's loop (transformers 5.25) extends the drafter's attention mask and
+    position ids only once the drafter has a cache, so they still cover the prompt alone. The ids decoded plainly
+    since are real tokens at the next positions."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.shape[-1] < length:
+        kwargs["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], length - mask.shape[-1])], dim=-1)
+    positions = kwargs.get("position_ids")
+    if positions is not None and positions.shape[-1] < length:
+        extra = torch.arange(1, length - positions.shape[-1] + 1, dtype=positions.dtype, device=positions.device)
+        kwargs["position_ids"] = torch.cat([positions, positions[..., -1:] + extra], dim=-1)
 
 
 @torch.no_grad()
