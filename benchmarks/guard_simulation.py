@@ -16,7 +16,8 @@ easy or hard to draft. In the bursty cases acceptance switches between ``alpha (
 per token, so hard stretches where the rule loses last ``BURST_TOKENS`` tokens on average; the guard keeps the
 independent-round budget, and its speedup is compared with the unguarded rule's on the same stretches. Arms:
 ``unguarded``, ``windowed`` (the guard this replaced: pause 32 rounds when 8 rounds averaged under ``0.95 b``, a
-single probe round decides), and the loss-budget guard at several budgets ``c sigma_A``. Reported: speedup over plain
+single probe round decides), the loss-budget guard at several budgets ``c sigma_A``, fresh in every generation, and
+the served default (``5 sigma``) with its evidence carried across the arm's generations (``across_generations``). Reported: speedup over plain
 decoding (tokens / steps, mean over generations) and the fraction of rounds that drafted.
 
     python benchmarks/guard_simulation.py     # ~2 min, writes benchmarks/results/guard_simulation.json
@@ -133,6 +134,23 @@ def arm(make_guard, alpha, max_window, b, generations, new_tokens, seed, depth=N
     return {"speedup": sum(speeds) / len(speeds), "drafting_fraction": sum(fractions) / len(fractions)}
 
 
+class Carried:
+    """One guard for every generation of an arm (``across_generations``: the served default), started afresh per
+    arm: each call begins a generation on it (``SpeculationGuard.new_generation``)."""
+
+    def __init__(self, b, budget):
+        self.b, self.budget, self.guard = b, budget, None
+
+    def __call__(self):
+        if self.guard is None:
+            self.guard = SpeculationGuard(self.b, self.budget, across_generations=True)
+        self.guard.new_generation()
+        return self.guard
+
+    def fresh(self):
+        return Carried(self.b, self.budget)
+
+
 def rules_at(new_tokens: int, generations: int) -> list[dict]:
     """Every rule's arms (paying and collapsed) over generations of ``new_tokens`` tokens."""
     rules = []
@@ -146,10 +164,13 @@ def rules_at(new_tokens: int, generations: int) -> list[dict]:
         arms = {"unguarded": lambda: None, "windowed": lambda b=b: WindowedGuard(b)}
         arms.update({f"loss_budget[{c:g} sigma]": (lambda h=guard_loss_budget(b, sigma, c), b=b: SpeculationGuard(b, h))
                      for c in SPREADS})
+        # the served default: 5 sigma, the guard's evidence carried from one generation to the next
+        arms["loss_budget[5 sigma], across generations"] = Carried(b, guard_loss_budget(b, sigma, 5.0))
         for name, make_guard in arms.items():
             cases = [("paying", alpha, None), ("collapsed", COLLAPSED_ALPHA, None)]
             cases += [(f"bursty_{d:g}", alpha, d) for d in BURST_DEPTHS]
-            row["arms"][name] = {case: arm(make_guard, a, max_window, b, generations, new_tokens, seed, depth)
+            row["arms"][name] = {case: arm(make_guard.fresh() if isinstance(make_guard, Carried) else make_guard, a,
+                                           max_window, b, generations, new_tokens, seed, depth)
                                  for seed, (case, a, depth) in enumerate(cases)}
         rules.append(row)
         print(f"{new_tokens} tokens, K = {max_window}, b = {b:.3f}, sigma_A = {sigma:.2f}: " + "; ".join(

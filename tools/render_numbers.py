@@ -51,6 +51,11 @@ COMPILED_SERVING_SEPARATE_RUNS = {
         "on an Intel Xeon with AMX, bf16 and int8 on writing and code prompts",
         "the same machine and code as the run above, bf16 added, MT-bench's first 8 prompts (writing) and 8 code "
         "prompts, the main job's retrained drafter."),
+    "compiled_serving_xeon_amx_round_costs.json": (
+        "on an Intel Xeon with AMX, each round charged its own cost",
+        "the same machine, prompts and drafter as the split/fitted-lookup run, with the online guard charging each "
+        "drafting round its own window's cost (carried across generations) and the loop's host work from per-round "
+        "medians."),
 }
 
 
@@ -1234,7 +1239,9 @@ def guard_simulation(results: Path):
                       f"{data['burst_tokens']} tokens on average at alpha (1 + d) or alpha (1 - d); cells: d = "
                       + " / ".join(case.split("_", 1)[1] for case in bursty) + "):", ""]
             lines += table(["rule"] + arms, rows) + [""]
-    lines += ["The served default is `loss_budget[5 sigma]` (`DEFAULT_GUARD`).", ""]
+    lines += ["The served default is `loss_budget[5 sigma], across generations` (`DEFAULT_GUARD`): the same budget, "
+              "with the time lost and a pause under way carried from one generation to the next; the other loss-budget "
+              "arms start every generation afresh.", ""]
     return "The online guard", lines
 
 
@@ -1333,6 +1340,42 @@ def row_independence(results: Path):
     return "Row independence", lines
 
 
+def round_costs(results: Path):
+    files = sorted(results.glob("round_costs*.json"))
+    if not files:
+        return None
+    lines = [
+        "What a served round costs, by the number of tokens it drafted, against the cost model that chose the rule "
+        "(`benchmarks/round_costs.py`): the drafter's rule is calibrated as `calibrate_for_serving` does, then MT-bench "
+        "prompts are served plainly, with the rule unguarded (every round drafts) and with the rule as served "
+        "(guarded), in turn prompt by prompt, and every round is timed (`SpeculativeOutput.round_seconds`). Round "
+        "time: the rounds' median over the median plain round. L = 0 rounds of the guarded arm are the ones it paused; "
+        "\"after a pause\": its drafting rounds that follow a paused one.", "",
+    ]
+    for path in files:
+        data = load(path)
+        lengths = sorted({*data["cost_model_round_time"], *data["unguarded"], *data["guarded"]}, key=int)
+
+        def cell(arm: dict, length: str) -> str:
+            row = arm.get(length)
+            return "-" if not row else f"{num(row['round_time_median'], 3)} ({count(row['rounds'])})"
+
+        lines += [f"`{RESULTS.as_posix()}/{path.name}`, {data.get('precision')} target, {data.get('prompts')}:", "",
+                  *command_block(data.get("command")),
+                  machine_text(cpu=data.get("cpu"), torch=data.get("torch"), threads=data.get("threads")), "",
+                  f"Runtime: {data.get('runtime')}. Served rule: {data.get('served_rule')} Timed rule: K = "
+                  f"{data['timed_rule']['max_window']}, h = {num(data['timed_rule']['threshold'])}; plain round "
+                  f"{num(data.get('plain_round_ms'))} ms; tau " + " / ".join(
+                      f"{name} {num(value, 3)}" for name, value in data.get("tau", {}).items()) + ".", "",
+                  *table(["drafted L", "cost model", "unguarded (rounds)", "guarded (rounds)",
+                          "guarded, after a pause (rounds)", "calibration windows"],
+                         [[length, num(data["cost_model_round_time"].get(length), 3), cell(data["unguarded"], length),
+                           cell(data["guarded"], length), cell(data.get("guarded_after_a_pause", {}), length),
+                           count(data.get("calibration_windows", {}).get(length, 0))] for length in lengths]),
+                  *recorded("Reading", data.get("reading"))]
+    return "Served round costs", lines
+
+
 SECTIONS = [
     ("The machine and its costs", thread_setting, ["threads.json"]),
     ("The machine and its costs", cost_model, ["cost_model.json"]),
@@ -1340,6 +1383,7 @@ SECTIONS = [
     ("The machine and its costs", row_independence, ["row_independence.json"]),
     ("Serving", compiled_serving, ["compiled_serving.json", *COMPILED_SERVING_SEPARATE_RUNS]),
     ("Serving", main_job_compiled, ["main_job_compiled.json"]),
+    ("Serving", round_costs, ["round_costs*.json"]),
     ("Serving", shipped_drafter, ["speedup.json", "speedup_served.json", "speedup_served_code.json"]),
     ("Serving", bench_methods, ["bench_*.json"]),
     ("Serving", guard_simulation, ["guard_simulation.json"]),

@@ -105,10 +105,10 @@ def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: in
     With ``T_0`` the median plain round, ``T_L`` the median round that drafted ``L`` tokens (the first round of a run
     left out: the drafter reads the whole context there) and ``t_t``, ``t_d``, ``t_v(L)`` the forwards timed alone:
 
-        ``o_0 = T_0 / t_t - 1``,  ``o_r + L o_d = (T_L / t_t) - (L t_d + t_v(L))`` for ``L = 1, max_window``,
+        ``o_0 = max(0, T_0 / t_t - 1)``,  ``o_r + L o_d = (1 + o_0) T_L / T_0 - (L t_d + t_v(L))`` for ``L = 1, max_window``,
 
     so that ``CostModel.round_time(L) = T_L / T_0``: a round as the loop runs it, over a plain step as the loop runs
-    it. What the forwards timed alone miss goes here: the host work (argmax, confidences, verification, both caches'
+    it (also where the forward timed alone was the slower, ``T_0 < t_t``). What the forwards timed alone miss goes here: the host work (argmax, confidences, verification, both caches'
     rollback) and, on a CPU, a target whose weights the drafter's forward pushed out of the cache (on an Intel Xeon
     with an int8 target, rounds of one drafted token cost 1.24 steps where the forwards timed alone gave 1.14).
     Medians: a round slowed by a neighbour on the machine does not set the rule. Negative estimates (the forwards
@@ -156,9 +156,12 @@ def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: in
                            "tokens.")
     median = {window: statistics.median(times) / t_t for window, times in rounds.items()}
     cost_model.plain_overhead = max(0.0, median[0] - 1.0)
-    # what the loop's round of L tokens costs beyond its forwards, in target steps
+    # What the loop's round of L tokens costs beyond its forwards, in target steps, so that round_time(L) =
+    # (forwards_L + excess_L) / (1 + o_0) = T_L / T_0. Where the forward timed alone was the slower (T_0 < t_t,
+    # o_0 = 0), the loop's rounds are scaled by its own plain step, not by t_t, or a round's excess would be missed.
     bare = CostModel(cost_model.drafter_cost, cost_model.verify_cost, drafter_per_round=cost_model.drafter_per_round)
-    excess = {L: median[L] - float(bare.round_time(torch.tensor([L]))[0]) for L in windows if L > 0}
+    scale = (1.0 + cost_model.plain_overhead) / median[0]
+    excess = {L: scale * median[L] - float(bare.round_time(torch.tensor([L]))[0]) for L in windows if L > 0}
     if max_window == 1:
         o_r, o_d = excess[1], 0.0
     else:
