@@ -70,6 +70,10 @@ def test_lossless_and_the_model_runs_only_where_the_lookup_found_nothing(models,
         assert session.looked_up > 0  # the repeated phrase was looked up...
         assert session.model.forwards + session.looked_up == session.forwards == drafted  # ...not drafted by the model
         assert out.free_drafted == session.looked_up  # what the loop-overhead measurement does not charge t_d for
+        # per round, as the guard and measure_loop_overhead read them: never more than the round drafted
+        drafted_rounds = out.drafted_per_round
+        assert sum(out.free_per_round) == session.looked_up and len(out.free_per_round) == len(drafted_rounds)
+        assert all(0 <= free <= length for free, length in zip(out.free_per_round, drafted_rounds))
 
 
 def test_refuses_drafters_that_do_not_draft_from_the_text_alone():

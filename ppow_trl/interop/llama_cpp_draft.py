@@ -197,7 +197,8 @@ class LlamaCppDrafter(_DraftBase):
 
     ``rounds`` holds ``(L, A)`` per drafting round (window length, accepted length; ``A`` is learnt at the next
     call, from the committed ids), for tau and acceptance figures; ``reset_stats()`` clears it. A call whose ids do
-    not extend the last call's starts a new generation: the guard restarts and the last window is not scored.
+    not extend the last call's starts a new generation: the guard starts it (``SpeculationGuard.new_generation``:
+    afresh, or carrying its evidence over with ``across_generations``) and the last window is not scored.
 
     The exported file keeps the drafter's whole head. A reduced head written with ``expand_reduced_head=True`` gives
     logit 0 to ids outside its draft vocabulary; those zeros enter ``conf`` here (they were ``-inf`` in training).
@@ -231,7 +232,8 @@ class LlamaCppDrafter(_DraftBase):
         self._committed = None  # the ids of the last call: a call that does not extend them is a new generation
 
     def reset_stats(self) -> None:
-        """Forget the recorded rounds and restart the guard (a new generation)."""
+        """Forget the recorded rounds and start a new generation (the guard's evidence carries over with
+        ``across_generations``)."""
         self.rounds = []
         self._new_generation()
 

@@ -76,6 +76,7 @@ class SpeculativeOutput:
     finished_by_eos: bool = False
     guard_decisions: list[bool] | None = None  # per round, whether the guard let it draft (None: no guard)
     round_seconds: list[float] = field(default_factory=list)  # per round, its wall time (drafting, verify, host work)
+    free_per_round: list[int] = field(default_factory=list)  # per round, drafted tokens no drafter forward ran for
     free_drafted: int = 0  # drafted tokens whose drafter forward did not run (a hybrid's lookups): not charged t_d
 
     @property
@@ -245,7 +246,7 @@ def speculative_generate(
     layer_ids = session.target_layer_ids  # None for standalone drafters: the target returns no features
     target_cache = None
     target_forwards = prefill_forwards = 0
-    drafted, accepted_counts, emitted, seconds = [], [], [], []
+    drafted, accepted_counts, emitted, seconds, free = [], [], [], [], []
     finished_by_eos = False
 
     if len(prompt) > 1:  # the target's cache holds every committed token but the last one
@@ -316,8 +317,9 @@ def speculative_generate(
         drafted.append(length)
         accepted_counts.append(accepted)
         emitted.append(len(round_tokens))
+        free.append(getattr(session, "looked_up", 0) - free_before)
         if length:
-            previous = (accepted, length, getattr(session, "looked_up", 0) - free_before)
+            previous = (accepted, length, free[-1])
         seconds.append(perf_counter() - started)
 
     device = input_ids.device if isinstance(input_ids, torch.Tensor) else torch.device("cpu")
@@ -335,6 +337,7 @@ def speculative_generate(
         finished_by_eos=finished_by_eos,
         guard_decisions=None if guard is None else list(guard.decisions),
         round_seconds=seconds,
+        free_per_round=free,
     )
 
 

@@ -111,14 +111,16 @@ def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: in
     it (also where the forward timed alone was the slower, ``T_0 < t_t``). What the forwards timed alone miss goes here: the host work (argmax, confidences, verification, both caches'
     rollback) and, on a CPU, a target whose weights the drafter's forward pushed out of the cache (on an Intel Xeon
     with an int8 target, rounds of one drafted token cost 1.24 steps where the forwards timed alone gave 1.14).
-    Medians: a round slowed by a neighbour on the machine does not set the rule. Negative estimates (the forwards
+    A hybrid's looked-up tokens run no drafter forward: each round is counted with the drafter steps its lookups
+    saved added back (``free_per_round``), as ``round_time(L)`` charges every drafted token and a served round takes
+    the saving off again. Medians: a round slowed by a neighbour on the machine does not set the rule. Negative estimates (the forwards
     timed alone were slower than the loop's) count as 0, which overstates a round's cost, never understates it.
     ``context_ids``: the context to generate after (a random one of 64 tokens when ``None``), cut to leave room in a
     static cache; ``vocab_size``: the shared vocabulary (default: the narrower model's logits). Returns
     ``cost_model``, changed in place.
     """
-    if max_window < 1 or new_tokens < max_window + 4 or repeats < 1:
-        raise ValueError(f"measure_loop_overhead needs max_window >= 1, new_tokens >= max_window + 4 (rounds of a "
+    if max_window < 1 or new_tokens < 2 * max_window + 2 or repeats < 1:
+        raise ValueError(f"measure_loop_overhead needs max_window >= 1, new_tokens >= 2 max_window + 2 (a round of a "
                          f"full window after the first) and repeats >= 1, got {max_window}, {new_tokens}, {repeats}.")
     t_t = cost_model.raw_seconds.get("target_step")
     if not t_t:
@@ -139,11 +141,15 @@ def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: in
     windows = sorted({0, 1, max_window})
     rounds = {window: [] for window in windows}  # seconds of the rounds that drafted exactly `window` tokens
 
+    drafter_step = cost_model.drafter_cost * t_t  # seconds
+
     def run(window):
         out = speculative_generate(target, drafter, context_ids, policy=AdaptiveWindowPolicy(window, 0.0),
                                    max_new_tokens=new_tokens, eos_token_id=[], vocab_size=vocab_size)
-        pairs = list(zip(out.drafted_per_round, out.round_seconds))[1:]
-        rounds[window] += [seconds for length, seconds in pairs if length == window]
+        rows = list(zip(out.drafted_per_round, out.round_seconds, out.free_per_round))[1:]
+        # a hybrid's looked-up tokens ran no drafter forward: add the step they saved, so that every round is one whose
+        # L tokens were all drafted, as bare.round_time(L) charges (a served round takes the saving off again)
+        rounds[window] += [seconds + free * drafter_step for length, seconds, free in rows if length == window]
 
     with torch.no_grad():
         run(max_window)  # untimed: first calls (allocations, the drafter's cache)
