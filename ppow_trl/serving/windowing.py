@@ -142,11 +142,10 @@ class AdaptiveWindowPolicy:
             return None
         if fresh or not self.guard.get("across_generations"):
             return SpeculationGuard.from_settings(self.guard)
-        guard = self.__dict__.get("_carried_guard")
-        if guard is None or guard.settings_source is not self.guard:  # the settings were replaced: start over
+        settings, guard = self.__dict__.get("_carried_guard", (None, None))
+        if settings is not self.guard:  # none yet, or the settings were replaced: start over
             guard = SpeculationGuard.from_settings(self.guard)
-            guard.settings_source = self.guard
-            self.__dict__["_carried_guard"] = guard
+            self.__dict__["_carried_guard"] = (self.guard, guard)  # not a field: never saved
         guard.new_generation()
         return guard
 
