@@ -211,6 +211,17 @@ class DrafterFamily:
         n-gram length."""
         return {}
 
+    def variants(self, drafter, rollouts: dict) -> list[tuple[dict, dict]]:
+        """Other ways this drafter can propose, as ``(settings, rollouts)``: the settings (``use_variant``) and the
+        calibration rollouts ``{regime: (confidences, prefix_acceptance, charged)}`` the drafter would have had,
+        derived from ``rollouts`` (its own). The serving calibration serves a variant when it is predicted faster.
+        ``[]``: one way only (the hybrid offers its lookups without its trained drafter)."""
+        return []
+
+    def use_variant(self, drafter, settings: dict) -> dict:
+        """Apply a variant's ``settings`` to ``drafter`` in place; returns what the calibration reports of it."""
+        raise NotImplementedError(f"The {self.name} family offers no variants.")
+
     def attach(self, drafter, target, policy, vocab_size: int | None = None):
         """Make ``target.generate(..., assistant_model=drafter)`` apply ``policy``; returns the drafter."""
         raise NotImplementedError

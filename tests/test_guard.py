@@ -289,9 +289,10 @@ def recorded_rounds(monkeypatch):
     calls = []
     record = SpeculationGuard.record
 
-    def spy(self, accepted, drafted=None, free=0):
+    def spy(self, accepted, drafted=None, free=0, dropped=0):
+        assert dropped == 0  # no empty windows here: every drafting round kept its first token
         calls.append((int(accepted), drafted, int(free)))
-        return record(self, accepted, drafted, free)
+        return record(self, accepted, drafted, free, dropped)
 
     monkeypatch.setattr(SpeculationGuard, "record", spy)
     return calls

@@ -50,14 +50,17 @@ INNER_FOLDER = "drafter"
 
 
 class HybridConfig(PretrainedConfig):
-    """The lookup's settings (``PromptLookupConfig``'s: vocabulary, n-gram sizes, ``confidence_logit > 0``) and the
-    inner drafter's family name (informational; its folder says it too)."""
+    """The lookup's settings (``PromptLookupConfig``'s: vocabulary, n-gram sizes, ``confidence_logit > 0``), the
+    inner drafter's family name (informational; its folder says it too), and ``model_proposes``: whether the trained
+    drafter proposes where the lookup finds nothing (``False``: the hybrid drafts looked-up tokens only, set by
+    ``HybridFamily.choose_proposers`` when the calibration predicts that the trained drafter's windows lose)."""
 
     model_type = "ppow_hybrid"
 
     def __init__(self, vocab_size: int = 32000, max_ngram_size: int = 3, min_ngram_size: int = 1,
                  confidence_logit: float = 20.0, drafter_family: str = "standalone",
-                 match_confidences: list[float] | None = None, min_match_confidence: float = 0.5, **kwargs):
+                 match_confidences: list[float] | None = None, min_match_confidence: float = 0.5,
+                 model_proposes: bool = True, **kwargs):
         if confidence_logit <= 0:
             raise ValueError(f"confidence_logit must be > 0 (a looked-up token must beat the rest), got "
                              f"{confidence_logit}.")
@@ -66,6 +69,8 @@ class HybridConfig(PretrainedConfig):
         self.confidence_logit, self.drafter_family = confidence_logit, drafter_family
         self.match_confidences = None if match_confidences is None else [float(p) for p in match_confidences]
         self.min_match_confidence = float(min_match_confidence)
+        # False: lookups only, the trained drafter proposes nothing (calibration chose it: its windows lost)
+        self.model_proposes = bool(model_proposes)
         super().__init__(**kwargs)
 
 
@@ -162,9 +167,15 @@ class HybridSession:
         # (``DraftedWindows.charged``: the calibration charges the drafter's step only where it ran)
         self.charged_steps: list[torch.Tensor] = []
 
+    @property
+    def model_proposes(self) -> bool:
+        return self.drafter.config.model_proposes
+
     def _batch(self, lookup_logits: torch.Tensor, model_logits: torch.Tensor) -> torch.Tensor:
+        if not self.model_proposes:  # the model's state is kept in step (it costs the calibration only) but unused
+            model_logits = torch.zeros_like(model_logits)
         logits, matched = _choose(lookup_logits, model_logits)
-        self.charged_steps.append(~matched)
+        self.charged_steps.append(~matched if self.model_proposes else torch.zeros_like(matched))
         return logits
 
     # one sequence: the model runs only when the lookup finds nothing ----------------------------------------
@@ -175,6 +186,9 @@ class HybridSession:
         if proposal is not None:
             self.looked_up += 1
             return self.drafter.lookup.proposal_logits([proposal])
+        if not self.model_proposes:  # lookups only: nothing proposed (all-zero logits end the window for any h > 0)
+            self.forwards -= 1
+            return self.drafter.lookup.proposal_logits([None])
         return self.model.extend(sequence)  # reads every token it has not read yet, in one forward
 
     def extend(self, sequence: list[int], features=None) -> torch.Tensor:
@@ -207,6 +221,8 @@ class HybridSession:
         lookups = self.lookup.teacher_forced_logits(prompt, text, max_window)
         models = self.model.teacher_forced_logits(prompt, text, max_window)
         for (slot, lookup_logits), (_, model_logits) in zip(lookups, models):
+            if not self.model_proposes:
+                model_logits = torch.zeros_like(model_logits)
             yield slot, _choose(lookup_logits, model_logits)[0]
 
     def timed_step(self, context: list[int], features=None):
@@ -289,11 +305,33 @@ class HybridFamily(DrafterFamily):
         config = drafter.config
         fitted = (f", where its hit rate >= {config.min_match_confidence:g}{describe_fit(config)}"
                   if config.match_confidences is not None else "")
+        if not config.model_proposes:
+            return (f"hybrid: prompt lookup alone (n-grams {config.max_ngram_size}..{config.min_ngram_size}{fitted}); "
+                    f"its {family_of(drafter.drafter).describe(drafter.drafter)} proposes nothing")
         return (f"hybrid: prompt lookup (n-grams {config.max_ngram_size}..{config.min_ngram_size}{fitted}), else "
                 f"{family_of(drafter.drafter).describe(drafter.drafter)}")
 
     def fit_confidences(self, drafter, contexts) -> dict:
         return fit_lookup_config(drafter.config, contexts)
+
+    def variants(self, drafter, rollouts: dict) -> list[tuple[dict, dict]]:
+        """Lookups alone (``model_proposes=False``): the hybrid's rollouts up to the first token its trained drafter
+        proposed, which the lookups alone do not propose (confidence and acceptance 0 from there on: the window
+        ends there for any ``h > 0``) and no drafter forward. Exact for every rule with ``h > 0``, as the lookups'
+        proposals do not depend on the trained drafter; at ``h = 0`` the windows go on with unproposed tokens that
+        are counted as rejected."""
+        if not drafter.config.model_proposes or any(charged is None for *_, charged in rollouts.values()):
+            return []
+        lookups = {}
+        for regime, (confidences, prefix, charged) in rollouts.items():
+            model = charged.bool().cumsum(dim=1) > 0  # from the first token the trained drafter proposed
+            lookups[regime] = (confidences.masked_fill(model, 0.0), prefix.masked_fill(model, 0.0),
+                               torch.zeros_like(charged))
+        return [({"model_proposes": False}, lookups)]
+
+    def use_variant(self, drafter, settings: dict) -> dict:
+        drafter.config.model_proposes = bool(settings["model_proposes"])  # copies (with_drafter) share the config
+        return {"model_proposes": drafter.config.model_proposes}
 
     def with_compiled_models(self, drafter, compile):
         inner = drafter.drafter

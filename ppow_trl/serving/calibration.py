@@ -24,7 +24,7 @@ from ..drafting import family_of
 from ..utils import unwrap_model
 from .cost import CostModel
 from .rollout import verify_windows
-from .windowing import (AdaptiveWindowPolicy, accepted_spread_within, charged_within, chosen_rule, expected_accepted_within, policy_speedup,
+from .windowing import (AdaptiveWindowPolicy, accepted_spread_within, chosen_rule, expected_accepted_within, policy_speedup,
                         search_window_grid)
 
 REGIMES = ("greedy", "sampling", "both")
@@ -61,12 +61,22 @@ def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_m
     spreads = float(settings.pop("loss_spreads"))
     confidences, prefix, charged = rollout
     lengths = policy.window_lengths(confidences)
-    break_even = float(cost_model.round_time(lengths, charged_within(charged, lengths)).mean())
+    break_even = float(cost_model.round_time(lengths, policy.drafter_forwards(lengths, charged)).mean())
     budget = guard_loss_budget(break_even, accepted_spread_within(prefix, lengths), spreads)
     round_costs = cost_model.round_time(torch.arange(policy.max_window + 1)).tolist()
     saving = 0.0 if cost_model.drafter_per_round else cost_model.drafter_cost / (1.0 + cost_model.plain_overhead)
     return {**settings, "break_even_tokens": break_even, "loss_budget": budget,
             "round_costs": [round(c, 6) for c in round_costs], "free_token_saving": round(saving, 6)}
+
+
+def family_variants(drafter, rollouts: dict) -> list[tuple[dict, dict]]:
+    """``DrafterFamily.variants`` of ``drafter``'s family: other ways it can propose, each with the calibration
+    rollouts it would have had (``[]`` for most drafters; a hybrid: lookups alone)."""
+    try:
+        family = family_of(drafter)
+    except (ValueError, TypeError):
+        return []
+    return family.variants(unwrap_model(drafter), rollouts)
 
 
 def fit_drafter_confidences(drafter, contexts) -> dict:
@@ -167,6 +177,7 @@ def calibrate_policy(
     allow_no_speculation: bool = False,
     min_speedup: float = 1.0,
     guard: dict | None = None,
+    search_variants: bool = False,
 ) -> tuple[AdaptiveWindowPolicy, dict]:
     """Choose ``(K <= max_window, h)`` for ``drafter`` on held-out ``contexts`` in the served ``regime``.
 
@@ -195,16 +206,31 @@ def calibrate_policy(
                                    batch_size=batch_size, seed=seed, return_charged=True)
         for name in regimes
     }
-    grids = {name: search_window_grid(conf, prefix, cost_model, thresholds=thresholds, max_windows=max_windows,
-                                           confidence_temperature=confidence_temperature,
-                                           allow_no_speculation=allow_no_speculation, charged=charged,
-                                           min_speedup=min_speedup)[1]
-             for name, (conf, prefix, charged) in rollouts.items()}
-    # The grids list the same (K, h) in the same order; "both" maximises the mean speedup.
-    mean = [sum(grids[name][i]["speedup"] for name in regimes) / len(regimes) for i in range(len(grids[regimes[0]]))]
-    best = chosen_rule(grids[regimes[0]], mean, min_speedup)
+    # Serving searches rules whose rounds may draft nothing (not a block drafter's: its round is one forward)
+    empty = (False, True) if search_variants and not cost_model.drafter_per_round else (False,)
+
+    def grids_of(rollouts):
+        grids = {name: search_window_grid(conf, prefix, cost_model, thresholds=thresholds, max_windows=max_windows,
+                                          confidence_temperature=confidence_temperature,
+                                          allow_no_speculation=allow_no_speculation, charged=charged,
+                                          min_speedup=min_speedup, empty_windows=empty)[1]
+                 for name, (conf, prefix, charged) in rollouts.items()}
+        # The grids list the same (K, h) in the same order; "both" maximises the mean speedup.
+        mean = [sum(grids[name][i]["speedup"] for name in regimes) / len(regimes)
+                for i in range(len(grids[regimes[0]]))]
+        return grids, mean, chosen_rule(grids[regimes[0]], mean, min_speedup)
+
+    grids, mean, best = grids_of(rollouts)
+    if search_variants:  # a drafter that can propose in other ways (a hybrid without its trained drafter)
+        for settings, variant in family_variants(drafter, rollouts):
+            variant_grids, variant_mean, variant_best = grids_of(variant)
+            if variant_mean[variant_best] > mean[best]:
+                fitted = {**fitted, **family_of(drafter).use_variant(unwrap_model(drafter), settings),
+                          "predicted_as_built": mean[best]}
+                grids, mean, best, rollouts = variant_grids, variant_mean, variant_best, variant
     chosen = grids[regimes[0]][best]
-    policy = AdaptiveWindowPolicy(chosen["max_window"], chosen["threshold"], confidence_temperature)
+    policy = AdaptiveWindowPolicy(chosen["max_window"], chosen["threshold"], confidence_temperature,
+                                  empty_windows=chosen.get("empty_windows", False))
     expected = {}
     for name, (conf, prefix, _) in rollouts.items():
         expected[name] = float(expected_accepted_within(prefix, policy.window_lengths(conf)).mean())

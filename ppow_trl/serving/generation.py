@@ -197,10 +197,17 @@ def _truncate_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]
     return tokens, False
 
 
-def round_cap(policy: AdaptiveWindowPolicy, guard, room: int, previous: tuple[int, int, int] | None) -> int:
+def model_steps(session) -> int:
+    """Forwards the session's trained model ran so far (a hybrid's inner drafter's; lookups run none)."""
+    inner = getattr(session, "model", None)
+    return int(getattr(inner if inner is not None else session, "forwards", 0))
+
+
+def round_cap(policy: AdaptiveWindowPolicy, guard, room: int, previous: tuple[int, ...] | None) -> int:
     """The most tokens this round drafts: ``K`` (0 while the guard pauses), at most ``room``. A drafting round first
-    hands the guard the previous drafting round's ``(A, L, F)``: accepted, drafted, and drafted free
-    (``SpeculationGuard``'s protocol, the one HF's loop imposes); call once per round."""
+    hands the guard the previous drafting round's ``(A, L, F, D)``: accepted, drafted, drafted free, and drafter
+    steps spent on a dropped first token (``empty_windows``) (``SpeculationGuard``'s protocol, the one HF's loop
+    imposes); call once per round."""
     drafting = guard is None or guard.decide()
     cap = min(policy.max_window if drafting else 0, room)
     if guard is not None and cap > 0 and previous is not None:
@@ -261,7 +268,7 @@ def speculative_generate(
         started = perf_counter()
         committed = len(sequence)
         cap = round_cap(policy, guard, max_new_tokens - len(new_tokens) - 1, previous)
-        free_before = getattr(session, "looked_up", 0)
+        free_before, steps_before = getattr(session, "looked_up", 0), model_steps(session)
         window: list[int] = []
         drafter_probs: list[torch.Tensor] = []
         # every committed token the drafter has not read yet (None: nothing to draft from yet)
@@ -278,6 +285,10 @@ def speculative_generate(
                     token = int(step_logits.argmax())
                 window.append(token)
                 running = running * policy.confidence(step_logits)
+                if step == 0 and not bool(policy.drafts_first(running)):  # empty_windows: a plain step
+                    window.clear()
+                    drafter_probs.clear()
+                    break
                 if step + 1 == cap or not bool(policy.keep_drafting(running, step + 1)):
                     break
                 logits = session.step(torch.tensor([token], device=logits.device))
@@ -317,9 +328,9 @@ def speculative_generate(
         drafted.append(length)
         accepted_counts.append(accepted)
         emitted.append(len(round_tokens))
-        free.append(getattr(session, "looked_up", 0) - free_before)
-        if length:
-            previous = (accepted, length, free[-1])
+        free.append(min(getattr(session, "looked_up", 0) - free_before, length))  # a dropped lookup is not drafted
+        if cap > 0:  # a drafting round, empty ones included: the drafter step of a dropped first token is charged
+            previous = (accepted, length, free[-1], max(0, model_steps(session) - steps_before - (length - free[-1])))
         seconds.append(perf_counter() - started)
 
     device = input_ids.device if isinstance(input_ids, torch.Tensor) else torch.device("cpu")
@@ -437,7 +448,7 @@ def exact_greedy_tau(
             leading = int(matches[done, :cap].long().cumprod(0).sum())
             length = min(int(policy.window_lengths(confidences[done].unsqueeze(0))[0]), cap)
             accepted = min(leading, length)
-            previous = (accepted, length, 0)
+            previous = (accepted, length, 0, int(length == 0))  # an empty round ran the drafter for its first token
         else:
             accepted = 0
         tokens = min(accepted + 1, total - done)

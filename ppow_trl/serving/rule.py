@@ -84,19 +84,20 @@ def calibrate_for_serving(
     policy, report = calibrate_policy(runtime.verifier, proposer, contexts, cost_model, max_window=max_window, regime=regime,
                                       temperature=temperature, confidence_temperature=confidence_temperature,
                                       vocab_size=vocab_size, pad_id=pad_id, seed=seed, allow_no_speculation=True,
-                                      min_speedup=min_speedup, guard=guard)
+                                      min_speedup=min_speedup, guard=guard, search_variants=True)
     rows = next(iter(report["grid"].values()))  # every regime's grid lists the same (K, h) in the same order
     speed, best = max(((speed, row) for row, speed in zip(rows, report["mean_speedup"]) if row["max_window"] > 0),
                       key=lambda pair: pair[0])  # the first of equal speedups (rows are dicts: never compared)
     policy.calibration["best_speculative_speedup"] = speed
     # The best rule that does speculate, with its own guard: what serving would run if this machine's costs
     # were lower (benchmarks/speedup.py measures it next to the served rule).
-    alternative = policy.with_window(best["max_window"], best["threshold"])
+    alternative = policy.with_window(best["max_window"], best["threshold"], best.get("empty_windows", False))
     if guard is not None:
         alternative.guard = guard_for_rule(guard, alternative, (report["confidences"], report["prefix_acceptance"],
                                                                 report["charged"]), cost_model)
     policy.calibration["best_speculative_rule"] = {"max_window": alternative.max_window,
-                                                   "threshold": alternative.threshold, "guard": alternative.guard}
+                                                   "threshold": alternative.threshold,
+                                                   "empty_windows": alternative.empty_windows, "guard": alternative.guard}
     policy.calibration["serving_rule"] = describe_serving_rule(policy, cost_model)
     return policy, cost_model, report
 
@@ -114,6 +115,9 @@ def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | 
     fitted = (calibration.get("fitted_confidences") or {}).get("match_confidences")
     fitted_text = ("" if not fitted else "; lookups proposed at their n-gram length's hit rate, "
                    + "/".join(str(n + 1) for n in range(len(fitted))) + " = " + "/".join(f"{p:.2f}" for p in fitted))
+    as_built = (calibration.get("fitted_confidences") or {}).get("predicted_as_built")
+    if as_built is not None:
+        fitted_text += f"; lookups alone, its trained drafter proposing nothing (with it: best {as_built:.3f}x)"
     if policy.max_window == 0:
         best = calibration.get("best_speculative_speedup")
         least = calibration.get("min_speedup", 1.0)
@@ -129,6 +133,7 @@ def describe_serving_rule(policy: AdaptiveWindowPolicy, cost_model: CostModel | 
         + f" have lost {guard.loss_budget:.2f} steps against plain decoding since they last broke even"
         + (", carried across generations" if guard.across_generations else ""))
     return (f"K = {policy.max_window}, h = {policy.threshold:.2f}"
+            + (", a round drafts nothing when its first confidence is under h" if policy.empty_windows else "")
             + (f", predicted {predicted:.3f}x on {calibration.get('num_contexts')} held-out contexts"
                if predicted is not None else "")
             + f"{fitted_text}; {guard_text}; {costs}.")

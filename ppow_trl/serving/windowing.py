@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -90,8 +91,8 @@ class AdaptiveWindowPolicy:
     ``conf_j = max_v softmax(z_j / confidence_temperature)`` of the drafter's logits ``z_j``: a property of
     the policy, the same in training rollouts, our generation loop, the HF hook, calibration and the
     benchmark, greedy or sampled (``ppow_trl/serving/custom_generate/generate.py`` holds the rule). The first token is
-    always drafted; the token whose confidence pushes the estimate below ``h`` is still proposed (it may be
-    accepted) and ends the window. ``threshold = 0`` is a fixed window of ``max_window`` tokens. (A threshold
+    drafted (unless ``empty_windows``); the token whose confidence pushes the estimate below ``h`` is still proposed
+    (it may be accepted) and ends the window. ``threshold = 0`` is a fixed window of ``max_window`` tokens. (A threshold
     on the acceptance estimate is optimal for this stopping problem under mild assumptions: SpecDec++, arXiv
     2405.19715.)
 
@@ -103,6 +104,11 @@ class AdaptiveWindowPolicy:
         calibration (`dict`, *optional*): how ``(K, h)`` were chosen, written by
             ``ppow_trl.serving.calibration.calibrate_policy``: the regime they are for (``"greedy"`` or ``"sampling"``
             and its temperature), the number of held-out contexts, the predicted speedup. ``None``: set by hand.
+        empty_windows (`bool`): a round drafts nothing when its first token's confidence is under ``h`` (the
+            round is a plain step; the drafter's first forward has run, and the cost model charges it). Where a
+            token costs no forward (prompt lookup, a hybrid's lookups) a round without a match is then free; set by
+            the serving calibration when it predicts faster. Our loop and exact tau apply it; transformers'
+            assisted loop and llama.cpp need one candidate per drafting round and draft the first token anyway.
         guard (`dict`, *optional*): the online guard of every generation, ``{"break_even_tokens": b, "loss_budget": H,
             "probe_every": N, "max_pause": M, "round_costs": [c_0, ..., c_K], "free_token_saving": s}``
             (``SpeculationGuard``): drafting pauses for ``N`` rounds once the drafting rounds, each costing its own
@@ -120,6 +126,7 @@ class AdaptiveWindowPolicy:
     confidence_temperature: float = 1.0
     calibration: dict | None = None
     guard: dict | None = None
+    empty_windows: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_window, int) or self.max_window < 0:
@@ -166,11 +173,32 @@ class AdaptiveWindowPolicy:
         if self.max_window == 0:
             return torch.zeros(confidences.shape[0], dtype=torch.long, device=confidences.device)
         running = confidences[:, : self.max_window - 1].float().cumprod(dim=-1)
-        return 1 + self.keep_drafting(running, 0).sum(dim=-1)
+        lengths = 1 + self.keep_drafting(running, 0).sum(dim=-1)
+        if self.empty_windows:  # L = 0 when conf_1 < h
+            lengths = torch.where(self.drafts_first(confidences[:, 0]), lengths, torch.zeros_like(lengths))
+        return lengths
 
-    def with_window(self, max_window: int, threshold: float) -> "AdaptiveWindowPolicy":
-        """The same confidence definition and guard with another ``(K, h)`` (``calibration`` dropped)."""
-        return AdaptiveWindowPolicy(int(max_window), float(threshold), self.confidence_temperature, guard=self.guard)
+    def drafts_first(self, first_confidence: torch.Tensor) -> torch.Tensor:
+        """Whether a round keeps its first drafted token, of confidence ``conf_1``: always, or ``conf_1 >= h`` with
+        ``empty_windows``."""
+        if not self.empty_windows:
+            return torch.ones_like(first_confidence, dtype=torch.bool)
+        return first_confidence.float() >= self.threshold
+
+    def drafter_forwards(self, window_lengths: torch.Tensor, charged: torch.Tensor | None = None) -> torch.Tensor:
+        """The drafter forwards of rounds of ``window_lengths`` tokens: ``M_n = sum_{k <= L'_n} charged[n, k]``
+        (every token charged when ``charged`` is ``None``) over ``L'_n = max(L_n, 1)`` tokens with ``empty_windows``
+        (an empty round computed its first token, then dropped it), ``L_n`` otherwise."""
+        computed = window_lengths.clamp(min=1) if self.empty_windows and self.max_window > 0 else window_lengths
+        if charged is None:
+            return computed.float()
+        return (charged.float() * lengths_to_mask(computed, charged.shape[1]).float()).sum(dim=1)
+
+    def with_window(self, max_window: int, threshold: float, empty_windows: bool | None = None) -> "AdaptiveWindowPolicy":
+        """The same confidence definition and guard with another ``(K, h)`` (and ``empty_windows``, kept when
+        ``None``; ``calibration`` dropped)."""
+        return AdaptiveWindowPolicy(int(max_window), float(threshold), self.confidence_temperature, guard=self.guard,
+                                    empty_windows=self.empty_windows if empty_windows is None else bool(empty_windows))
 
     def save_pretrained(self, folder: str | Path) -> Path:
         """Save as ``folder/ppow_window_policy.json``, so generation uses the rule training used."""
@@ -231,10 +259,11 @@ def policy_speedup(
 ) -> torch.Tensor:
     """Cost-model speedup of ``policy`` on rollouts of ``K`` tokens (``K >= policy.max_window``): ``sum_n (E[A_n] + 1)
     / sum_n (M_n t_d + t_v(L_n))`` with ``E[A_n]`` from ``expected_accepted_within`` and ``M_n = L_n``, or the
-    tokens the drafter's model ran for (``charged`` ``(N, K)``, ``charged_within``)."""
+    tokens the drafter's model ran for (``charged`` ``(N, K)``), over ``max(L_n, 1)`` tokens for ``empty_windows``
+    (``AdaptiveWindowPolicy.drafter_forwards``)."""
     lengths = policy.window_lengths(confidences)
     return overall_speedup(expected_accepted_within(prefix_acceptance, lengths), lengths, cost_model,
-                           charged_within(charged, lengths))
+                           policy.drafter_forwards(lengths, charged))
 
 
 SERVED_MIN_SPEEDUP = 1.05
@@ -256,6 +285,7 @@ def search_window_grid(
     allow_no_speculation: bool = False,
     charged: torch.Tensor | None = None,
     min_speedup: float = 1.0,
+    empty_windows: Sequence[bool] = (False,),
 ) -> tuple[AdaptiveWindowPolicy, list[dict]]:
     """The ``(K, h)`` maximising the cost-model speedup on held-out rollouts, and the grid: the search step of the one
     calibration, ``ppow_trl.serving.calibration.calibrate_policy`` (which drafts and verifies those windows and calls it).
@@ -264,17 +294,25 @@ def search_window_grid(
     of ``K_max`` tokens drafted on held-out contexts (see ``policy_speedup``; ``charged``: its drafter forwards).
     ``allow_no_speculation``: ``K = 0`` (plain decoding, speedup 1 by definition) is a candidate too, and wins
     whenever no ``(K, h)`` is predicted above 1x (it comes first, so a tie keeps plain decoding), or, with
-    ``min_speedup`` > 1, at least ``min_speedup`` (``chosen_rule``).
+    ``min_speedup`` > 1, at least ``min_speedup`` (``chosen_rule``). ``empty_windows``: the rule variants searched
+    (``(False, True)``: also rules whose rounds draft nothing when the first confidence is under ``h``, rows marked
+    ``"empty_windows": True``; ``h = 0`` is the same rule either way and is searched once).
     """
     max_windows = max_windows or range(1, confidences.shape[1] + 1)
     grid = [{"max_window": 0, "threshold": 0.0, "speedup": 1.0}] if allow_no_speculation else []
-    for max_window in max_windows:
-        for threshold in thresholds:
-            policy = AdaptiveWindowPolicy(int(max_window), float(threshold), confidence_temperature)
-            value = policy_speedup(policy, confidences, prefix_acceptance, cost_model, charged).item()
-            grid.append({"max_window": int(max_window), "threshold": float(threshold), "speedup": value})
+    for empty in empty_windows:
+        for max_window in max_windows:
+            for threshold in thresholds:
+                if empty and threshold == 0.0:  # h = 0 drafts every first token: the same rule
+                    continue
+                policy = AdaptiveWindowPolicy(int(max_window), float(threshold), confidence_temperature,
+                                              empty_windows=bool(empty))
+                value = policy_speedup(policy, confidences, prefix_acceptance, cost_model, charged).item()
+                row = {"max_window": int(max_window), "threshold": float(threshold), "speedup": value}
+                grid.append({**row, "empty_windows": True} if empty else row)
     best = grid[chosen_rule(grid, [row["speedup"] for row in grid], min_speedup)]
-    return AdaptiveWindowPolicy(best["max_window"], best["threshold"], confidence_temperature), grid
+    return AdaptiveWindowPolicy(best["max_window"], best["threshold"], confidence_temperature,
+                                empty_windows=best.get("empty_windows", False)), grid
 
 
 def chosen_rule(rows: list[dict], speedups: list[float], min_speedup: float = 1.0) -> int:

@@ -146,6 +146,9 @@ class SpeculationGuard:
 
         ``c(L, F) = round_costs[L] - F * free_token_saving``  target steps
 
+(an empty round of ``empty_windows``, ``L = 0``, that ran the drafter for the first token it dropped costs
+``round_costs[0] + free_token_saving``)
+
     (``round_costs[L] = CostModel.round_time(L)``, ``(L t_d + t_v(L) + o_r + L o_d) / (1 + o_0)``, measured on the
     serving runtime and saved with the rule; ``free_token_saving = t_d / (1 + o_0)``). It yields ``A + 1`` tokens,
     so against plain decoding it gains ``A + 1 - c`` steps. The guard keeps the time speculation has lost since it
@@ -253,13 +256,16 @@ class SpeculationGuard:
         cost = costs[drafted] if drafted <= last else costs[last] + (drafted - last) * (costs[last] - costs[last - 1])
         return max(cost - int(free) * self.free_token_saving, 0.0)
 
-    def record(self, accepted: int, drafted: int | None = None, free: int = 0) -> None:
+    def record(self, accepted: int, drafted: int | None = None, free: int = 0, dropped: int = 0) -> None:
         """The previous drafting round, given when the next drafting round starts: its accepted length ``A``, how many
-        tokens it drafted (``L``) and how many of those came free (``F``, a hybrid's lookups)."""
+        tokens it drafted (``L``), how many of those came free (``F``, a hybrid's lookups), and how many drafter
+        steps it spent on a token it then dropped (``D``: an empty window's first token, charged
+        ``free_token_saving`` each)."""
         if self.ignore_next:  # drafted while the pause was being decided: not counted
             self.ignore_next = False
             return
-        self.lost = max(0.0, self.lost + self.round_cost(drafted, free) - (int(accepted) + 1))
+        cost = self.round_cost(drafted, free) + int(dropped) * self.free_token_saving
+        self.lost = max(0.0, self.lost + cost - (int(accepted) + 1))
         self.resumed_rounds += 1
         if self.resumed and (self.lost == 0.0 or self.resumed_rounds >= self.probe_every):
             # back at break-even, or drafting as long as a pause lasts: the resumption held (a rule that pays
