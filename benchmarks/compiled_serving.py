@@ -196,7 +196,7 @@ def child(args) -> dict:
                              plain, {"rule": policy.calibration["serving_rule"]}))
         best = policy.calibration.get("best_speculative_rule")
         if policy.max_window == 0 and best:
-            forced = policy.with_window(best["max_window"], best["threshold"])
+            forced = policy.with_window(best["max_window"], best["threshold"], best.get("empty_windows", False))
             forced.guard = best.get("guard")
             arms.append(loop_arm(f"compiled_speculative[{name}:best_speculative]", runtime.target, runtime.drafter,
                                  forced, stop_ids, vocab, plain,

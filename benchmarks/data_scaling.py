@@ -277,7 +277,7 @@ def main(argv=None) -> int:
                                                         runtime=serving)
                 alternative = policy.calibration["best_speculative_rule"]
                 speculative = AdaptiveWindowPolicy(alternative["max_window"], alternative["threshold"],
-                                                   guard=None)
+                                                   guard=None, empty_windows=alternative.get("empty_windows", False))
                 evaluation = {}
                 for name, data in tests.items():
                     evaluation[name] = {
@@ -295,8 +295,10 @@ def main(argv=None) -> int:
                 "guard_settings": DEFAULT_GUARD,
                 "served_rule": policy.calibration["serving_rule"],
                 "predicted_speedup_best_speculative": policy.calibration["best_speculative_speedup"],
-                "best_speculative_rule": {"max_window": speculative.max_window, "threshold": speculative.threshold},
-                "served_policy": {"max_window": policy.max_window, "threshold": policy.threshold},
+                "best_speculative_rule": {"max_window": speculative.max_window, "threshold": speculative.threshold,
+                                          "empty_windows": speculative.empty_windows},
+                "served_policy": {"max_window": policy.max_window, "threshold": policy.threshold,
+                                  "empty_windows": policy.empty_windows},
                 "predicted_speedup_served": policy.calibration["predicted_speedup"],
                 "measured_speedup_best_speculative": timed["best_speculative"],
                 "measured_speedup_served": timed.get("served"),  # None: K = 0 serves plain decoding, not timed

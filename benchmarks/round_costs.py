@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     best = policy
     if policy.max_window == 0 and policy.calibration.get("best_speculative_rule"):
         rule = policy.calibration["best_speculative_rule"]  # time the rounds of the best rule even when not served
-        best = policy.with_window(rule["max_window"], rule["threshold"])
+        best = policy.with_window(rule["max_window"], rule["threshold"], rule.get("empty_windows", False))
         best.guard = rule.get("guard")
     print(f"rule: {policy.calibration['serving_rule']}", file=sys.stderr, flush=True)
 

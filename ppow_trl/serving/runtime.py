@@ -179,7 +179,7 @@ def measure_loop_overhead(target, drafter, cost_model: CostModel, max_window: in
     cost_model.raw_seconds["loop_overhead"] = {
         "plain_step": cost_model.plain_overhead * t_t, "drafting_round": cost_model.round_overhead * t_t,
         "drafted_token": cost_model.drafted_token_overhead * t_t, "windows": windows, "new_tokens": new_tokens,
-        "repeats": repeats, "median_round_over_t_t": {str(window): round(value, 4) for window, value in median.items()}}
+        "repeats": repeats, "median_round_over_t_t": {str(window): round(value, 6) for window, value in median.items()}}
     return cost_model
 
 

@@ -346,6 +346,8 @@ def policy_dict(policy: AdaptiveWindowPolicy) -> dict:
     stays in ``ppow_window_policy.json``), ``{"max_window": K, "threshold": h, "confidence_temperature": T_c}``."""
     data = asdict(_check_policy(policy))
     data.pop("calibration", None)
+    if not data.get("empty_windows"):  # transformers' loop drafts the first token anyway; said only when set
+        data.pop("empty_windows", None)
     if data.get("guard") is None:  # an unguarded policy writes the same generation config as before the guard
         data.pop("guard", None)
     return data
