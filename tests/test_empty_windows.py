@@ -122,3 +122,13 @@ def test_the_hybrids_lookups_alone_are_predicted_from_its_own_rollouts(models):
     out = speculative_generate(target, lookups_alone, prompt, policy=AdaptiveWindowPolicy(3, 0.05, empty_windows=True),
                                max_new_tokens=20, eos_token_id=[])
     assert out.new_tokens == plain and out.free_drafted == sum(out.drafted_per_round) > 0
+    # transformers' loop needs a candidate every drafting round: where no lookup matches, the trained drafter gives it
+    from ppow_trl.drafting import family_of
+
+    family_of(lookups_alone).attach(lookups_alone, target, AdaptiveWindowPolicy(3, 0.05, empty_windows=True))
+    settings = dict(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=None)
+    for context in (contexts[0], contexts[-1]):  # a repeating prompt, and one without repeats
+        ids = context.view(1, -1)
+        with torch.no_grad():
+            assert torch.equal(target.generate(ids, assistant_model=lookups_alone, **settings),
+                               target.generate(ids, **settings))

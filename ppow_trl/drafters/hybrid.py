@@ -245,6 +245,10 @@ def hybrid_generate(*args, model, input_ids=None, generation_config=None, logits
     session.rollback(len(sequence) - 1)  # the inner drafter re-reads at least the last token: it gives its logits
     looked_up = session.looked_up
     logits = session.extend(sequence)
+    if not model.config.model_proposes and session.looked_up == looked_up:
+        # lookups alone, and none matched: transformers' loop needs a candidate, so the trained drafter proposes it
+        # (a better guess than an unproposed token, and charged as its step)
+        logits = session.model.extend(sequence)
     return draft_window(model, session, logits, input_ids, generation_config, logits_processor, max_new_tokens,
                         looked_up_before=looked_up)
 
