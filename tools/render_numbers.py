@@ -56,6 +56,11 @@ COMPILED_SERVING_SEPARATE_RUNS = {
         "the same machine, prompts and drafter as the split/fitted-lookup run, with the online guard charging each "
         "drafting round its own window's cost (carried across generations) and the loop's host work from per-round "
         "medians."),
+    "compiled_serving_xeon_amx_empty_windows.json": (
+        "on an Intel Xeon with AMX, empty windows and the hybrid's lookups alone",
+        "the same machine, prompts and drafter as the run above, with the serving calibration also searching rules "
+        "whose rounds draft nothing when the first confidence is under h, and the hybrid without its trained "
+        "drafter."),
 }
 
 
