@@ -101,6 +101,7 @@ def child(args) -> dict:
     from ppow_trl.offline import smollm2_path
     from ppow_trl.serving.precision import serving_precision
     from ppow_trl.serving.runtime import serving_runtime
+    from ppow_trl.serving.calibration import apply_fitted
     from ppow_trl.serving.rule import calibrate_for_serving
     from ppow_trl.utils import cache_root, set_cpu_threads
     from ppow_trl.serving.windowing import AdaptiveWindowPolicy
@@ -141,6 +142,7 @@ def child(args) -> dict:
         saved = state / "rules" / name
         if (saved / "ppow_window_policy.json").is_file() and (saved / "ppow_cost_model.json").is_file():
             policy, cost_model = AdaptiveWindowPolicy.from_pretrained(saved), CostModel.from_pretrained(saved)
+            apply_fitted(drafter, policy)  # what the calibration fitted on the drafter (hit rates, lookups alone)
         else:
             with torch.no_grad():
                 policy, cost_model, _ = calibrate_for_serving(target, drafter, contexts, max_window=K,
@@ -169,6 +171,9 @@ def child(args) -> dict:
         converted = serving_precision(target, precision)
         reference = f"compiled_plain[{precision}]"
         for name, drafter in drafters.items():
+            if name in ("hybrid", "prompt_lookup"):  # their own config: what this arm's calibration fits stays its own
+                drafter = (hybrid_drafter(drafters["ppow"], target) if name == "hybrid"
+                           else get_family("prompt_lookup").build(target, tokenizer).eval())
             started = time.perf_counter()
             runtime = serving_runtime(converted, drafter, runtime="compiled", max_window=K,
                                       max_cache_len=MAX_CACHE_LEN, precision=precision,

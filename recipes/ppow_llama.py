@@ -460,7 +460,10 @@ def serve_with_lookup(trainer, drafter, serving, calibration_data, training_args
     except ValueError as error:
         logger.info("Not served with prompt lookup: %s", error)
         return None
-    served = dataclasses.replace(serving, drafter=hybrid.with_drafter(serving.drafter))
+    # the hybrid's copies over the served drafter and over the proposer the calibration's rollouts run (a drafter at
+    # another precision than the served one's), sharing its config: what the calibration fits, the served one uses
+    proposer = None if serving.proposer is None else hybrid.with_drafter(serving.proposer)
+    served = dataclasses.replace(serving, drafter=hybrid.with_drafter(serving.drafter), proposer=proposer)
     policy, cost_model = calibrate_served_rule(trainer, hybrid, served, calibration_data, training_args)
     logger.info("Served rule with prompt lookup: %s", policy.calibration["serving_rule"])
     return {"drafter": hybrid, "served": served, "policy": policy, "cost_model": cost_model}

@@ -132,3 +132,32 @@ def test_the_hybrids_lookups_alone_are_predicted_from_its_own_rollouts(models):
         with torch.no_grad():
             assert torch.equal(target.generate(ids, assistant_model=lookups_alone, **settings),
                                target.generate(ids, **settings))
+
+
+def test_the_calibration_compares_the_hybrid_as_built_every_time_and_a_saved_rule_restores_its_choice(models):
+    """A random trained drafter whose tokens are never accepted and contexts that repeat: the calibration serves the
+    lookups alone, and says so; calibrated again (a copy sharing the config, as the compiled runtime's), it starts
+    from the hybrid as built and compares both again; ``apply_fitted`` puts the choice back on a fresh hybrid."""
+    from ppow_trl.serving.calibration import apply_fitted, calibrate_policy
+
+    target, random_drafter, _ = models
+    hybrid = hybrid_drafter(random_drafter, target)
+    contexts = []  # the target's own greedy text, which repeats itself here and there
+    for seed in range(6):
+        prompt = torch.randint(8, 64, (4,), generator=torch.Generator().manual_seed(seed)).tolist()
+        text = greedy_continuation(target, prompt, 40, 64)
+        contexts += [torch.tensor(prompt + text[:cut]) for cut in (10, 20, 30)]
+    cost = CostModel(drafter_cost=0.3, verify_cost=[1.0, 1.1, 1.2, 1.3])
+    for _ in range(2):
+        policy, _ = calibrate_policy(target, hybrid, contexts, cost, max_window=3, allow_no_speculation=True,
+                                     search_variants=True)
+        fitted = policy.calibration["fitted_confidences"]
+        assert fitted["model_proposes"] is False and fitted["predicted_as_built"] < policy.calibration["predicted_speedup"]
+        assert hybrid.config.model_proposes is False and policy.max_window > 0
+    fresh = hybrid_drafter(random_drafter, target)
+    assert fresh.config.model_proposes is True
+    apply_fitted(fresh, policy)
+    assert fresh.config.model_proposes is False and fresh.config.match_confidences == hybrid.config.match_confidences
+    # without search_variants (training's calibration) the hybrid is calibrated as built
+    policy, _ = calibrate_policy(target, hybrid, contexts, cost, max_window=3, allow_no_speculation=True)
+    assert policy.calibration["fitted_confidences"]["model_proposes"] is True and hybrid.config.model_proposes

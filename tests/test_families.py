@@ -237,3 +237,40 @@ def test_untrainable_families_are_refused_by_the_trainers(data):
         with pytest.raises(ValueError, match="no parameters"):
             KDTrainer(drafter, KDConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True),
                       train_dataset=data["topk"], processing_class=data["tokenizer"], target=data["target"])
+
+
+def test_empty_windows_are_lossless_and_hand_the_guard_what_exact_tau_replays(case, monkeypatch):
+    """Rules whose rounds draft nothing when the first confidence is under ``h``, guarded: lossless on every family,
+    exact tau equals the loop, and at K = 1 (where the replay's windows are the served ones) the loop hands the guard
+    the same ``(A, L, F, D)`` as the replay, with ``D = 1`` for each empty round (its drafter step ran). The hybrid's
+    dropped first token may be a lookup (no drafter step), which the replay charges as drafted: left out there."""
+    from ppow_trl.serving.custom_generate.generate import SpeculationGuard
+
+    target, drafter = case["target"], case["drafter"]
+    guard = {"break_even_tokens": 1.2, "loss_budget": 3.0, "probe_every": 4, "max_pause": 16,
+             "round_costs": [1.0, 1.2], "free_token_saving": 0.1}
+    policy = AdaptiveWindowPolicy(max_window=1, threshold=0.5, empty_windows=True, guard=guard)
+    calls, record = [], SpeculationGuard.record
+
+    def spy(self, accepted, drafted=None, free=0, dropped=0):
+        calls.append((int(accepted), drafted, int(free), int(dropped)))
+        return record(self, accepted, drafted, free, dropped)
+
+    monkeypatch.setattr(SpeculationGuard, "record", spy)
+    empty = 0
+    for prompt in case["responses"]["prompt_ids"][:6]:
+        prompt = torch.tensor([prompt])
+        reference = target.generate(prompt, do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+        calls.clear()
+        out = speculative_generate(target, drafter, prompt, policy=policy.with_window(1, 0.5), max_new_tokens=16,
+                                   eos_token_id=[])
+        served = list(calls)
+        assert torch.equal(out.sequences[0], reference[0])
+        calls.clear()
+        exact = exact_greedy_tau(target, drafter, prompt, policy=policy, max_new_tokens=16, eos_token_id=[])
+        assert exact.accepted_per_round == out.accepted_per_round
+        empty += sum(1 for length in out.drafted_per_round if length == 0)
+        if case["name"] != "hybrid":
+            assert served == calls
+            assert all(d == int(length == 0) for _, length, _, d in served)
+    assert empty > 0  # the rule did draft nothing in some rounds

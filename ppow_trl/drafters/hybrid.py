@@ -53,7 +53,7 @@ class HybridConfig(PretrainedConfig):
     """The lookup's settings (``PromptLookupConfig``'s: vocabulary, n-gram sizes, ``confidence_logit > 0``), the
     inner drafter's family name (informational; its folder says it too), and ``model_proposes``: whether the trained
     drafter proposes where the lookup finds nothing (``False``: the hybrid drafts looked-up tokens only, set by
-    ``HybridFamily.choose_proposers`` when the calibration predicts that the trained drafter's windows lose)."""
+    ``HybridFamily.use_variant`` when the calibration predicts that the trained drafter's windows lose)."""
 
     model_type = "ppow_hybrid"
 
@@ -170,6 +170,11 @@ class HybridSession:
     @property
     def model_proposes(self) -> bool:
         return self.drafter.config.model_proposes
+
+    @property
+    def model_forwards(self) -> int:
+        """Forwards the trained drafter ran (``forwards`` counts the lookups' proposals too)."""
+        return self.model.forwards
 
     def _batch(self, lookup_logits: torch.Tensor, model_logits: torch.Tensor) -> torch.Tensor:
         if not self.model_proposes:  # the model's state is kept in step (it costs the calibration only) but unused
@@ -316,7 +321,10 @@ class HybridFamily(DrafterFamily):
                 f"{family_of(drafter.drafter).describe(drafter.drafter)}")
 
     def fit_confidences(self, drafter, contexts) -> dict:
-        return fit_lookup_config(drafter.config, contexts)
+        """The lookup's hit rates, and the hybrid as built (``model_proposes=True``): every calibration compares
+        it with its lookups alone (``variants``), whatever an earlier calibration of a copy chose."""
+        drafter.config.model_proposes = True
+        return {**fit_lookup_config(drafter.config, contexts), "model_proposes": True}
 
     def variants(self, drafter, rollouts: dict) -> list[tuple[dict, dict]]:
         """Lookups alone (``model_proposes=False``): the hybrid's rollouts up to the first token its trained drafter

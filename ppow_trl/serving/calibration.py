@@ -42,7 +42,8 @@ def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_m
     """The online guard of ``policy`` (``SpeculationGuard``'s saved settings) from its rollouts on the calibration
     contexts, ``rollout = (confidences, prefix_acceptance, charged)``:
 
-    - round costs ``round_costs[L] = CostModel.round_time(L)`` for ``L = 0..K`` and ``free_token_saving = t_d / (1 +
+    - round costs ``round_costs[L] = CostModel.round_time(L)`` for ``L = 0..K`` (``L = 0``: a drafting round that
+      drafted nothing, ``empty_windows``) and ``free_token_saving = t_d / (1 +
       o_0)`` (0 for a block drafter): each drafting round is charged its own window's cost, less the drafter steps
       its free tokens (a hybrid's lookups) did not take;
     - break-even ``b = mean_n (M_n t_d + t_v(L_n)) / t_t``, the rule's mean round time on the calibration contexts
@@ -61,9 +62,13 @@ def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_m
     spreads = float(settings.pop("loss_spreads"))
     confidences, prefix, charged = rollout
     lengths = policy.window_lengths(confidences)
-    break_even = float(cost_model.round_time(lengths, policy.drafter_forwards(lengths, charged)).mean())
+    break_even = float(cost_model.round_time(lengths, policy.drafter_forwards(lengths, charged),
+                                             policy.drafting_rounds(lengths)).mean())
     budget = guard_loss_budget(break_even, accepted_spread_within(prefix, lengths), spreads)
-    round_costs = cost_model.round_time(torch.arange(policy.max_window + 1)).tolist()
+    # every round the guard is handed went through drafting: L = 0 is an empty window's round (its loop work, no
+    # drafter step; a dropped first token's step is charged on top, SpeculationGuard.record)
+    lengths = torch.arange(policy.max_window + 1)
+    round_costs = cost_model.round_time(lengths, drafting=torch.ones_like(lengths, dtype=torch.bool)).tolist()
     saving = 0.0 if cost_model.drafter_per_round else cost_model.drafter_cost / (1.0 + cost_model.plain_overhead)
     return {**settings, "break_even_tokens": break_even, "loss_budget": budget,
             "round_costs": [round(c, 6) for c in round_costs], "free_token_saving": round(saving, 6)}
@@ -77,6 +82,17 @@ def family_variants(drafter, rollouts: dict) -> list[tuple[dict, dict]]:
     except (ValueError, TypeError):
         return []
     return family.variants(unwrap_model(drafter), rollouts)
+
+
+def apply_fitted(drafter, policy: AdaptiveWindowPolicy) -> None:
+    """Put back on ``drafter`` what its calibration fitted in place and recorded in ``policy.calibration
+    ["fitted_confidences"]`` (prompt lookup's hit rates, a hybrid's ``model_proposes``): a rule read back from disk
+    serves the drafter as it was calibrated."""
+    fitted = (policy.calibration or {}).get("fitted_confidences") or {}
+    config = getattr(unwrap_model(drafter), "config", None)
+    for key in ("match_confidences", "min_match_confidence", "model_proposes"):
+        if key in fitted and hasattr(config, key):
+            setattr(config, key, fitted[key])
 
 
 def fit_drafter_confidences(drafter, contexts) -> dict:

@@ -89,15 +89,19 @@ class CostModel:
             return (window_length > 0).float()
         return window_length.float() if charged is None else charged.float()
 
-    def round_time(self, window_length: torch.Tensor, charged: torch.Tensor | None = None) -> torch.Tensor:
+    def round_time(self, window_length: torch.Tensor, charged: torch.Tensor | None = None,
+                   drafting: torch.Tensor | None = None) -> torch.Tensor:
         """Time of one round relative to a plain decoding step of the serving loop:
         ``(L t_d + t_v(L) + o(L)) / (1 + o_0)`` with ``o(0) = o_0`` (``plain_overhead``) and ``o(L > 0) = o_r + L o_d``
         (``round_overhead``, ``drafted_token_overhead``); a block drafter's round costs ``t_d`` once. ``L = 0`` is
         exactly 1, and with no overhead measured this is ``L t_d + t_v(L)``. ``charged``: the drafter forwards of each
-        round when fewer than ``L`` (``drafter_forwards``)."""
+        round when fewer than ``L`` (``drafter_forwards``). ``drafting``: rounds that went through drafting whatever
+        ``L`` (an empty window's round, ``L = 0``: the loop's per-round work ``o_r`` instead of ``o_0``); default
+        ``L > 0``."""
         forwards = self.drafter_forwards(window_length, charged) * self.drafter_cost + self.verify_time(window_length)
-        drafting = self.round_overhead + window_length.float() * self.drafted_token_overhead
-        overhead = torch.where(window_length > 0, drafting, torch.full_like(drafting, self.plain_overhead))
+        work = self.round_overhead + window_length.float() * self.drafted_token_overhead
+        drafting = window_length > 0 if drafting is None else drafting.bool() | (window_length > 0)
+        overhead = torch.where(drafting, work, torch.full_like(work, self.plain_overhead))
         return (forwards + overhead) / (1.0 + self.plain_overhead)
 
     def save_pretrained(self, folder: str | Path) -> Path:
@@ -125,13 +129,13 @@ def speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_m
 
 
 def overall_speedup(expected_accepted: torch.Tensor, window_length: torch.Tensor, cost_model: CostModel,
-                    charged: torch.Tensor | None = None) -> torch.Tensor:
+                    charged: torch.Tensor | None = None, drafting: torch.Tensor | None = None) -> torch.Tensor:
     """Speedup of many rounds together: tokens per unit time, ``sum(E[A]+1) / sum(L t_d + t_v(L))`` (``charged``:
     each round's drafter forwards when fewer than ``L``, ``CostModel.round_time``).
 
     This (a ratio of sums) is what a decoding run measures; the mean of per-round ``S`` is not.
     """
-    return (expected_accepted.float() + 1.0).sum() / cost_model.round_time(window_length, charged).sum()
+    return (expected_accepted.float() + 1.0).sum() / cost_model.round_time(window_length, charged, drafting).sum()
 
 
 def _cached_step(model, context_ids: torch.Tensor, num_new: int):

@@ -198,9 +198,9 @@ def _truncate_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]
 
 
 def model_steps(session) -> int:
-    """Forwards the session's trained model ran so far (a hybrid's inner drafter's; lookups run none)."""
-    inner = getattr(session, "model", None)
-    return int(getattr(inner if inner is not None else session, "forwards", 0))
+    """Drafter forwards the session ran so far: a hybrid's inner drafter's (``model_forwards``: its lookups run
+    none), every other session's ``forwards``."""
+    return int(getattr(session, "model_forwards", getattr(session, "forwards", 0)))
 
 
 def round_cap(policy: AdaptiveWindowPolicy, guard, room: int, previous: tuple[int, ...] | None) -> int:
@@ -340,7 +340,7 @@ def speculative_generate(
         target_forwards=target_forwards,
         prefill_forwards=prefill_forwards,
         drafter_forwards=session.forwards,  # one per round for block drafters
-        free_drafted=getattr(session, "looked_up", 0),
+        free_drafted=sum(free),  # lookups drafted (one dropped by an empty window is not)
         drafted_per_round=drafted,
         accepted_per_round=accepted_counts,
         tokens_per_round=emitted,

@@ -185,6 +185,11 @@ class AdaptiveWindowPolicy:
             return torch.ones_like(first_confidence, dtype=torch.bool)
         return first_confidence.float() >= self.threshold
 
+    def drafting_rounds(self, window_lengths: torch.Tensor) -> torch.Tensor:
+        """Which rounds went through drafting (``CostModel.round_time``'s ``drafting``): every one of a speculative
+        rule, empty windows included (their loop work is a drafting round's)."""
+        return torch.full_like(window_lengths, self.max_window > 0, dtype=torch.bool)
+
     def drafter_forwards(self, window_lengths: torch.Tensor, charged: torch.Tensor | None = None) -> torch.Tensor:
         """The drafter forwards of rounds of ``window_lengths`` tokens: ``M_n = sum_{k <= L'_n} charged[n, k]``
         (every token charged when ``charged`` is ``None``) over ``L'_n = max(L_n, 1)`` tokens with ``empty_windows``
@@ -201,8 +206,12 @@ class AdaptiveWindowPolicy:
                                     empty_windows=self.empty_windows if empty_windows is None else bool(empty_windows))
 
     def save_pretrained(self, folder: str | Path) -> Path:
-        """Save as ``folder/ppow_window_policy.json``, so generation uses the rule training used."""
-        return save_json(asdict(self), folder, WINDOW_POLICY_FILE)
+        """Save as ``folder/ppow_window_policy.json``, so generation uses the rule training used (``empty_windows``
+        only when set: files of rules without it stay readable by versions before it)."""
+        data = asdict(self)
+        if not data["empty_windows"]:
+            data.pop("empty_windows")
+        return save_json(data, folder, WINDOW_POLICY_FILE)
 
     @classmethod
     def from_dict(cls, data: dict) -> "AdaptiveWindowPolicy":
@@ -263,7 +272,7 @@ def policy_speedup(
     (``AdaptiveWindowPolicy.drafter_forwards``)."""
     lengths = policy.window_lengths(confidences)
     return overall_speedup(expected_accepted_within(prefix_acceptance, lengths), lengths, cost_model,
-                           policy.drafter_forwards(lengths, charged))
+                           policy.drafter_forwards(lengths, charged), policy.drafting_rounds(lengths))
 
 
 SERVED_MIN_SPEEDUP = 1.05
