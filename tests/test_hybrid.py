@@ -109,7 +109,7 @@ def test_calibration_charges_the_drafter_only_for_the_tokens_it_proposed(models)
     from ppow_trl.serving.calibration import calibration_rollouts
     from ppow_trl.serving.cost import CostModel
     from ppow_trl.serving.rollout import draft_windows
-    from ppow_trl.serving.windowing import charged_within, policy_speedup
+    from ppow_trl.serving.windowing import policy_speedup
 
     target, _, hybrid = models
     # repeated phrases (lookups find tokens) and distinct tokens (nothing to look up at first)
@@ -129,7 +129,7 @@ def test_calibration_charges_the_drafter_only_for_the_tokens_it_proposed(models)
     assert 0 < charged.sum() < charged.numel()  # both kinds occur on these prompts
     cost = CostModel(drafter_cost=0.5, verify_cost=[1.0, 1.0, 1.0, 1.0])
     lengths = policy.window_lengths(confidences)
-    assert torch.equal(charged_within(charged, lengths), charged.sum(1))
+    assert torch.equal(policy.drafter_forwards(lengths, charged), charged.sum(1))
     assert policy_speedup(policy, confidences, prefix, cost, charged) > policy_speedup(policy, confidences, prefix, cost)
     free = CostModel(drafter_cost=0.0, verify_cost=[1.0, 1.0, 1.0, 1.0])
     everything_free = torch.zeros_like(charged)

@@ -176,10 +176,14 @@ class HybridSession:
         """Forwards the trained drafter ran (``forwards`` counts the lookups' proposals too)."""
         return self.model.forwards
 
-    def _batch(self, lookup_logits: torch.Tensor, model_logits: torch.Tensor) -> torch.Tensor:
-        if not self.model_proposes:  # the model's state is kept in step (it costs the calibration only) but unused
+    def _chosen(self, lookup_logits: torch.Tensor, model_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_choose``, with nothing from the model for lookups alone (its state is kept in step, unused)."""
+        if not self.model_proposes:
             model_logits = torch.zeros_like(model_logits)
-        logits, matched = _choose(lookup_logits, model_logits)
+        return _choose(lookup_logits, model_logits)
+
+    def _batch(self, lookup_logits: torch.Tensor, model_logits: torch.Tensor) -> torch.Tensor:
+        logits, matched = self._chosen(lookup_logits, model_logits)
         self.charged_steps.append(~matched if self.model_proposes else torch.zeros_like(matched))
         return logits
 
@@ -226,9 +230,7 @@ class HybridSession:
         lookups = self.lookup.teacher_forced_logits(prompt, text, max_window)
         models = self.model.teacher_forced_logits(prompt, text, max_window)
         for (slot, lookup_logits), (_, model_logits) in zip(lookups, models):
-            if not self.model_proposes:
-                model_logits = torch.zeros_like(model_logits)
-            yield slot, _choose(lookup_logits, model_logits)[0]
+            yield slot, self._chosen(lookup_logits, model_logits)[0]
 
     def timed_step(self, context: list[int], features=None):
         """The inner drafter's step: every drafted token is charged as if the model drafted it (module docstring)."""

@@ -77,11 +77,8 @@ def guard_for_rule(settings: dict, policy: AdaptiveWindowPolicy, rollout, cost_m
 def family_variants(drafter, rollouts: dict) -> list[tuple[dict, dict]]:
     """``DrafterFamily.variants`` of ``drafter``'s family: other ways it can propose, each with the calibration
     rollouts it would have had (``[]`` for most drafters; a hybrid: lookups alone)."""
-    try:
-        family = family_of(drafter)
-    except (ValueError, TypeError):
-        return []
-    return family.variants(unwrap_model(drafter), rollouts)
+    family = _family_or_none(drafter)
+    return [] if family is None else family.variants(unwrap_model(drafter), rollouts)
 
 
 def apply_fitted(drafter, policy: AdaptiveWindowPolicy) -> None:
@@ -98,11 +95,16 @@ def apply_fitted(drafter, policy: AdaptiveWindowPolicy) -> None:
 def fit_drafter_confidences(drafter, contexts) -> dict:
     """``DrafterFamily.fit_confidences`` of ``drafter``'s family on ``contexts`` (in place; ``{}`` for a trained
     drafter, or a model no family owns)."""
+    family = _family_or_none(drafter)
+    return {} if family is None else family.fit_confidences(unwrap_model(drafter), [list(map(int, c)) for c in contexts])
+
+
+def _family_or_none(drafter):
+    """The family owning ``drafter``, ``None`` for a model no family owns."""
     try:
-        family = family_of(drafter)
+        return family_of(drafter)
     except (ValueError, TypeError):
-        return {}
-    return family.fit_confidences(unwrap_model(drafter), [list(map(int, c)) for c in contexts])
+        return None
 
 
 def held_out_contexts(

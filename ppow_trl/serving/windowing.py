@@ -254,14 +254,6 @@ def accepted_spread_within(prefix_acceptance: torch.Tensor, lengths: torch.Tenso
     return float((second - first**2).clamp(min=0.0).sqrt())
 
 
-def charged_within(charged: torch.Tensor | None, window_lengths: torch.Tensor) -> torch.Tensor | None:
-    """Drafter forwards of each window cut to ``L_n``: ``sum_{k <= L_n} charged[n, k]`` (``None`` passes through:
-    every drafted token charged)."""
-    if charged is None:
-        return None
-    return (charged.float() * lengths_to_mask(window_lengths, charged.shape[1]).float()).sum(dim=1)
-
-
 def policy_speedup(
     policy: AdaptiveWindowPolicy, confidences: torch.Tensor, prefix_acceptance: torch.Tensor, cost_model: CostModel,
     charged: torch.Tensor | None = None,
