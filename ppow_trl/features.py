@@ -31,10 +31,15 @@ def target_forward(target, layer_ids: list[int] | None, **forward_kwargs):
 
     Returns ``(output, features or None)``. One forward gives both the verification logits and the features the
     drafter reads next (no second target pass). ``output_hidden_states`` keeps every layer's states of this call
-    until it returns; only the selected ones are kept.
+    until it returns; only the selected ones are kept. A compiled runtime built to return these layers
+    (``CompiledCausalLM(feature_layers=...)``) returns them from its graphs (``return_features``), which
+    ``output_hidden_states`` would send to the eager model.
     """
     if layer_ids is None:
         return target(**forward_kwargs), None
+    if getattr(target, "feature_layers", None) == list(layer_ids):
+        output = target(**forward_kwargs, return_features=True)
+        return output, output.features
     output = target(**forward_kwargs, output_hidden_states=True)
     features = select_features(output.hidden_states, layer_ids)
     output.hidden_states = None

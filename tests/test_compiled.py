@@ -488,3 +488,58 @@ def test_serving_runtime_compiles_target_and_standalone_drafter_and_times_them(m
     served = speculative_generate(runtime.target, runtime.drafter, prompt, policy=AdaptiveWindowPolicy(MAX_ROWS - 1, 0.0),
                                   max_new_tokens=16, eos_token_id=[])
     assert served.new_tokens == plain
+
+
+def test_a_drafter_reading_the_targets_hidden_states_serves_on_the_compiled_graphs(models):
+    """EAGLE-3 on the compiled route: the target's graphs return the hidden states the head reads next to the logits
+    (the eager model's, up to the kernels' rounding), so the served loop runs the target eagerly only for the
+    prompt's prefill; nothing compiles in it, and greedy speculative decoding gives the compiled plain tokens."""
+    from ppow_trl.drafters.eagle3 import Eagle3DrafterForCausalLM
+    from ppow_trl.features import forward_at, select_features
+    from ppow_trl.serving.runtime import serving_runtime
+
+    target, _, _ = models
+    layers = [0, 1, 2]
+    torch.manual_seed(0)
+    head = Eagle3DrafterForCausalLM.from_target(target, target_layer_ids=layers).eval()
+    runtime = serving_runtime(target, head, runtime="compiled", max_window=MAX_ROWS - 1, max_cache_len=96,
+                              progress=False)
+    assert runtime.name == "compiled" and runtime.fallback is None
+    compiled = runtime.target
+    assert compiled.feature_layers == layers and runtime.drafter is head  # the head itself serves eagerly
+
+    ids = torch.randint(8, 64, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        eager = select_features(target(ids, output_hidden_states=True).hidden_states, layers)[0]
+        out, features = forward_at(compiled, ids[0, :12].tolist(), None, 0, layers)  # prefill: eager, with features
+        torch.testing.assert_close(features[0], eager[:12], atol=1e-4, rtol=1e-4)  # over a static cache
+        for rows in range(1, MAX_ROWS + 1):  # every graph returns its rows' features
+            out, features = forward_at(compiled, ids[0, 12:12 + rows].tolist(), out.cache, 12, layers)
+            assert features.shape == (1, rows, 3 * target.config.hidden_size)
+            torch.testing.assert_close(features[0], eager[12:12 + rows], atol=1e-4, rtol=1e-4)
+            crop_cache(out.cache, 12)
+
+    eager_calls = []
+    original = compiled._eager
+
+    def counted(*args, **kwargs):
+        eager_calls.append(kwargs["input_ids"].shape[1])
+        return original(*args, **kwargs)
+
+    compiled._eager = counted
+    before = _graphs()
+    try:
+        for seed in range(3):
+            prompt = torch.randint(8, 64, (1, 6 + seed), generator=torch.Generator().manual_seed(30 + seed))
+            with torch.no_grad():
+                result = speculative_generate(compiled, head, prompt, policy=AdaptiveWindowPolicy(MAX_ROWS - 1, 0.0),
+                                              max_new_tokens=20, eos_token_id=[])
+                plain = greedy_continuation(compiled, prompt[0].tolist(), 20, 64)
+            assert result.new_tokens == plain
+            assert max(result.drafted_per_round) == MAX_ROWS - 1  # verify passes of several rows ran
+    finally:
+        del compiled._eager
+    assert _graphs() == before
+    # one eager target call per sequence: the prompt's prefill (6, 7, 8 tokens: 5, 6, 7 cached); plain decoding's
+    # greedy_continuation prefills too
+    assert sorted(eager_calls) == sorted([5, 6, 7] + [6, 7, 8])

@@ -35,6 +35,11 @@ How:
 - Inductor still chooses kernels per shape (on an AMX CPU its int8 GEMM switches kernel at 5 rows), so after the
   warm-up ``ppow_trl.serving.row_check`` checks every graph's rows bitwise against the decode step and, where one
   differs, splits such calls over graphs that agree or runs every call on the largest graph (``row_plan``).
+- A drafter that reads the target's hidden states (EAGLE-3, DFlash) needs them from every verify pass:
+  ``CompiledCausalLM(..., feature_layers=ids)`` makes every graph return ``cat(hidden_states[i] for i in ids)`` next
+  to the logits (``out.features`` of a call with ``return_features=True``: ``ppow_trl.features.target_forward``), so
+  the verify pass that scores a window also hands the drafter its features, as on the eager route. The graphs are
+  others than a plain target's (their packages are keyed by the layer ids).
 - Rolling back after a rejected window is ``crop_cache``: a static cache only moves its length back; the stale rows
   are masked, then overwritten.
 
@@ -55,6 +60,7 @@ from pathlib import Path
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..features import select_features
 from ..utils import interleaved_medians
 from .attention import fixed_rows_attention
 from .inductor_settings import CompileSettings, compile_cache_dir, compile_context, use_compile_cache
@@ -98,7 +104,8 @@ class CompiledCausalLM(torch.nn.Module):
     """``model``'s forward compiled per row count ``1..max_rows`` over a static KV cache (module docstring)."""
 
     def __init__(self, model, *, max_rows: int, max_cache_len: int = 1024,
-                 settings: CompileSettings | None = None, decode_rows: int | None = None, verifies: bool = True):
+                 settings: CompileSettings | None = None, decode_rows: int | None = None, verifies: bool = True,
+                 feature_layers: list[int] | None = None):
         super().__init__()
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}.")
@@ -119,6 +126,14 @@ class CompiledCausalLM(torch.nn.Module):
         # Only a verifier's rows must match its decode steps: a drafter's rows that differ change what it proposes
         # (SmolLM2's fp32 2-layer drafter's 2-row graph did, on the AMX Xeon), never the output, so it is not checked.
         self.verifies = verifies
+        # The hidden states (``output_hidden_states`` indices) every graph returns next to the logits, for a drafter
+        # that reads them (module docstring); None: logits only.
+        self.feature_layers = None if feature_layers is None else [int(i) for i in feature_layers]
+        if self.feature_layers is not None:
+            depth = model.config.get_text_config().num_hidden_layers
+            if not self.feature_layers or min(self.feature_layers) < 0 or max(self.feature_layers) > depth:
+                raise ValueError(f"feature_layers {feature_layers} must index the target's {depth + 1} hidden states "
+                                 f"(0 = embeddings, i = decoder layer i - 1).")
         self.model = model.eval()
         self.max_rows, self.max_cache_len = int(max_rows), int(max_cache_len)
         self.settings = settings or CompileSettings()
@@ -202,16 +217,20 @@ class CompiledCausalLM(torch.nn.Module):
         return cache
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, logits_to_keep=0,
-                **kwargs):
+                return_features: bool = False, **kwargs):
         """The model's forward. One unpadded sequence over the runtime's static cache runs the compiled graph of its
         row count (``rows <= max_rows``), else the eager model over the same cache (a prefill, a feature read).
-        Batches and caches that are not the runtime's go to the eager model as they are (calibration rollouts)."""
+        Batches and caches that are not the runtime's go to the eager model as they are (calibration rollouts).
+        ``return_features=True`` (a runtime built with ``feature_layers``): ``out.features`` holds the hidden states
+        of those layers, ``(batch, rows, len(feature_layers) * hidden)``, on every route."""
         if input_ids is None or input_ids.dim() != 2:
             raise ValueError("The compiled runtime takes input_ids of shape (batch, tokens) (no inputs_embeds).")
+        if return_features and self.feature_layers is None:
+            raise ValueError("return_features=True needs a runtime built with feature_layers=.")
         batch, rows = input_ids.shape
         if batch != 1 or (cache is not None and cache is not _STATIC_CACHES.get(self.model, {}).get(self.max_cache_len)):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              cache=cache, logits_to_keep=logits_to_keep, **kwargs)
+            return self._eager(return_features, input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, cache=cache, logits_to_keep=logits_to_keep, **kwargs)
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("The compiled runtime serves one unpadded sequence: pass no attention mask (or all ones).")
         if cache is None:
@@ -224,8 +243,8 @@ class CompiledCausalLM(torch.nn.Module):
         kwargs.pop("return_dict", None)
         if rows > self.max_rows or kwargs or not isinstance(logits_to_keep, int):
             # the prompt's prefill, feature reads (output_hidden_states), index tensors: eager, over the same cache
-            return self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
-                              logits_to_keep=logits_to_keep, **kwargs)
+            return self._eager(return_features, input_ids=input_ids, position_ids=position_ids, cache=cache,
+                               use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
         # Fresh standard strides (dynamo guards on strides: a slice of a longer tensor would recompile), made outside
         # inference mode (dynamo guards on dispatch keys: an inference tensor would recompile too).
         with torch.inference_mode(False):
@@ -245,6 +264,15 @@ class CompiledCausalLM(torch.nn.Module):
             out.logits = out.logits[:, -logits_to_keep:]
         return out
 
+    def _eager(self, return_features: bool, **kwargs):
+        """The eager model's forward (``kwargs``), with ``out.features`` of ``feature_layers`` when asked."""
+        if not return_features:
+            return self.model(**kwargs)
+        out = self.model(**kwargs, output_hidden_states=True)
+        out.features = select_features(out.hidden_states, self.feature_layers)
+        out.hidden_states = None
+        return out
+
     def _padded_call(self, input_ids, position_ids, cache, length: int, graph_rows: int):
         """The ``graph_rows`` graph on these rows plus padding rows, which repeat the last token at the next positions
         and are cropped away as rejected drafts are (the rows' own graph where the padding does not fit)."""
@@ -258,6 +286,8 @@ class CompiledCausalLM(torch.nn.Module):
         if extra:
             cache.crop(-extra)
             out.logits = out.logits[:, :rows]
+            if out.features is not None:
+                out.features = out.features[:, :rows]
         return out
 
     def _split_call(self, input_ids, position_ids, cache, length: int):
@@ -307,17 +337,29 @@ class CompiledCausalLM(torch.nn.Module):
                                        f"1..{self.max_rows} were compiled).")
                 run = self._packages[input_ids.shape[1]] = self._load_or_build(input_ids.shape[1], cache)
             with torch.no_grad():  # a package does not check its inputs: the dtypes it was built for
-                logits = run(input_ids.long(), position_ids.long(), *cache_state(cache))
-            return CausalLMOutputWithPast(logits=logits, cache=cache)
+                outputs = run(input_ids.long(), position_ids.long(), *cache_state(cache))
+            logits, features = (outputs[0], outputs[1]) if self.feature_layers is not None else (outputs, None)
+            out = CausalLMOutputWithPast(logits=logits, cache=cache)
+            out.features = features
+            return out
         stance = (torch.compiler.set_stance("fail_on_recompile") if self.warm else compile_context(self.settings))
         with torch.no_grad(), self._attention(), stance:
-            return self._compiled(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+            if self.feature_layers is None:
+                out = self._compiled(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+                out.features = None
+                return out
+            out = self._compiled(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
+                                 output_hidden_states=True)
+        out.features = select_features(out.hidden_states, self.feature_layers)
+        out.hidden_states = None
+        return out
 
     def _package_path(self, rows: int) -> Path:
         if self._digest is None:
             # the weights and the code the graph was traced from, and the settings' key: a folder the user chose
             # with TORCHINDUCTOR_CACHE_DIR does not name the settings, torch, the CPU or the threads
-            self._digest = f"{compile_cache_dir(self.settings).name}-{weights_digest(self.model)}"
+            self._digest = f"{compile_cache_dir(self.settings).name}-{weights_digest(self.model)}" + (
+                "" if self.feature_layers is None else "-features" + ".".join(map(str, self.feature_layers)))
         return package_path(self.cache_dir, self._digest, rows, self.max_rows, self.max_cache_len)
 
     def _build_packages(self, rows: list[int], cache, progress: bool = False) -> None:
@@ -346,7 +388,7 @@ class CompiledCausalLM(torch.nn.Module):
 
             try:
                 build_packages(self.model, cache, missing, self.settings, attention=self._attention,
-                               workers=workers, on_built=built)
+                               workers=workers, on_built=built, feature_layers=self.feature_layers)
             except Exception as error:  # noqa: BLE001 - a worker's failure (memory, environment): once more here
                 if workers == 1:
                     raise
@@ -355,7 +397,8 @@ class CompiledCausalLM(torch.nn.Module):
                                str(error).splitlines()[0][:200] if str(error) else "")
                 self.build_workers = 1
                 build_packages(self.model, cache, {q: path for q, path in missing.items() if not path.exists()},
-                               self.settings, attention=self._attention, workers=1, on_built=built)
+                               self.settings, attention=self._attention, workers=1, on_built=built,
+                               feature_layers=self.feature_layers)
 
     def _load_or_build(self, rows: int, cache):
         """The package of this row count, loaded once per process and model; built first when the disk has none."""
@@ -453,4 +496,6 @@ def _joined(outs):
     out = outs[-1]
     if len(outs) > 1:
         out.logits = torch.cat([o.logits for o in outs], dim=1)
+        if out.features is not None:
+            out.features = torch.cat([o.features for o in outs], dim=1)
     return out

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from ..features import select_features
 from .inductor_settings import CompileSettings, compile_context
 from .package_store import building, remove_build_outputs
 
@@ -62,12 +63,15 @@ def cache_state(cache) -> list[torch.Tensor]:
 
 class CacheStep(torch.nn.Module):
     """``model``'s forward over ``cache`` with the cache's tensors as arguments: ``(input_ids, position_ids, *state)
-    -> logits``. Exported, the graph takes the cache it updates as inputs instead of holding one of its own."""
+    -> logits``, or ``(logits, features)`` with ``feature_layers`` (``select_features`` of those hidden states: what
+    a drafter reading the target's hidden states needs from each verify pass). Exported, the graph takes the cache it
+    updates as inputs instead of holding one of its own."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, feature_layers: list[int] | None = None):
         super().__init__()
         self.model = model
         self.cache = cache
+        self.feature_layers = feature_layers
 
     def forward(self, input_ids, position_ids, *state):
         layers = self.cache.layers
@@ -75,7 +79,12 @@ class CacheStep(torch.nn.Module):
         for i, layer in enumerate(layers):  # the traced inputs stand in for the cache's own tensors while tracing
             layer.keys, layer.values, layer.cumulative_length = state[3 * i: 3 * i + 3]
         try:
-            return self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True).logits
+            if self.feature_layers is None:
+                return self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache,
+                                  use_cache=True).logits
+            out = self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True,
+                             output_hidden_states=True)
+            return out.logits, select_features(out.hidden_states, self.feature_layers)
         finally:
             for layer, tensors in zip(layers, saved):
                 layer.keys, layer.values, layer.cumulative_length = tensors
@@ -116,9 +125,9 @@ def weights_digest(model) -> str:
     return digest.hexdigest()
 
 
-def export_step(model, cache, rows: int, attention=None):
-    """``CacheStep(model, cache)`` exported for ``rows`` rows (``attention()``: a context manager, the attention the
-    graph is traced with).
+def export_step(model, cache, rows: int, attention=None, feature_layers: list[int] | None = None):
+    """``CacheStep(model, cache, feature_layers)`` exported for ``rows`` rows (``attention()``: a context manager, the
+    attention the graph is traced with).
     The cache's contents are not changed: export traces with fake tensors."""
     kinds = {type(layer).__name__ for layer in cache.layers}
     if kinds != {"StaticLayer"}:
@@ -128,7 +137,8 @@ def export_step(model, cache, rows: int, attention=None):
     ids = torch.zeros((1, rows), dtype=torch.long, device=device)
     positions = torch.arange(rows, device=device).unsqueeze(0)
     with torch.no_grad(), (attention() if attention else contextlib.nullcontext()):
-        return torch.export.export(CacheStep(model, cache).eval(), (ids, positions, *cache_state(cache)), strict=False)
+        return torch.export.export(CacheStep(model, cache, feature_layers).eval(), (ids, positions, *cache_state(cache)),
+                                   strict=False)
 
 
 def compile_exported(exported, path: Path, settings: CompileSettings) -> Path:
@@ -189,17 +199,18 @@ def _cgroup_value(name: str) -> list[str] | None:
 
 
 def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettings, *, attention=None,
-                   workers: int = 1, on_built=None) -> None:
+                   workers: int = 1, on_built=None, feature_layers: list[int] | None = None) -> None:
     """Build the package of each row count in ``paths`` (rows -> package path): in this process with ``workers=1``,
     else ``workers`` at a time, each compiled in its own process (``python -c ... _build_in_worker``) from the step
     exported here, while this process exports the next one. Why processes: inductor compiles a graph on one core
     (Python, then one C++ compiler call), so builds side by side use the other cores (``build_workers``).
-    ``on_built(rows)`` after each one. A failed worker raises ``RuntimeError`` with the end of its output.
+    ``on_built(rows)`` after each one; ``feature_layers``: ``CacheStep``'s. A failed worker raises ``RuntimeError`` with the end of its output.
     Then AOTInductor's build folders of these packages are removed, unless another build is in progress
     (``remove_build_outputs``)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    _build_each(model, cache, paths, settings, attention=attention, workers=workers, on_built=on_built)
+    _build_each(model, cache, paths, settings, attention=attention, workers=workers, on_built=on_built,
+                feature_layers=feature_layers)
     try:
         remove_build_outputs([path for path in paths.values() if path.exists()], Path(cache_dir()))
     except Exception as error:  # noqa: BLE001 - the packages are built; a leftover only costs disk
@@ -207,11 +218,11 @@ def build_packages(model, cache, paths: dict[int, Path], settings: CompileSettin
 
 
 def _build_each(model, cache, paths: dict[int, Path], settings: CompileSettings, *, attention=None, workers: int = 1,
-                on_built=None) -> None:
+                on_built=None, feature_layers: list[int] | None = None) -> None:
     global BUILT
     if workers <= 1:
         for rows, path in paths.items():
-            compile_exported(export_step(model, cache, rows, attention), path, settings)
+            compile_exported(export_step(model, cache, rows, attention, feature_layers), path, settings)
             BUILT += 1
             if on_built:
                 on_built(rows)
@@ -258,7 +269,7 @@ def _build_each(model, cache, paths: dict[int, Path], settings: CompileSettings,
                 path.parent.mkdir(parents=True, exist_ok=True)
                 exported_file = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.exported.pt2")
                 try:
-                    torch.export.save(export_step(model, cache, rows, attention), str(exported_file))
+                    torch.export.save(export_step(model, cache, rows, attention, feature_layers), str(exported_file))
                 except BaseException:
                     exported_file.unlink(missing_ok=True)
                     raise
@@ -286,11 +297,14 @@ def _build_in_worker() -> None:
 
 
 def load_package(path: Path):
-    """The compiled graph in ``path``: ``runner(input_ids, position_ids, *cache_state(cache)) -> logits``."""
+    """The compiled graph in ``path``: ``runner(input_ids, position_ids, *cache_state(cache)) -> logits`` (a
+    ``(logits, features)`` tuple for a ``CacheStep`` with ``feature_layers``)."""
     runner = torch._inductor.aoti_load_package(str(path))
 
     def run(*args):
         out = runner(*args)
-        return out[0] if isinstance(out, (list, tuple)) else out
+        if isinstance(out, (list, tuple)):
+            return out[0] if len(out) == 1 else tuple(out)
+        return out
 
     return run

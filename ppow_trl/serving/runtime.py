@@ -7,8 +7,9 @@ through it: the costs a rule is chosen on are the costs of the runtime that serv
 - ``"compiled"``: the target (and a drafter whose family ``compiles``: a causal LM over its own KV cache) become
   ``CompiledCausalLM``s with ``K + 1`` row counts over a static cache of ``max_cache_len`` positions, warmed up with
   a progress bar (from the on-disk inductor cache when it holds them). Prompt lookup drafts on the host next to the
-  compiled target. Drafters that read the target's hidden states (EAGLE-3, DFlash) serve eagerly, said as a
-  fallback: the compiled graphs do not return hidden states yet.
+  compiled target. For a drafter that reads the target's hidden states (EAGLE-3, DFlash), the target's graphs also
+  return those states (``CompiledCausalLM(feature_layers=...)``), so each verify pass hands the drafter its features;
+  the head itself runs eagerly (its family does not compile it).
 - ``"eager"``: the models as they are.
 
 ``precision`` (``"fp32"``, ``"bf16"``, ``"int8"``: ``ppow_trl.serving.precision``) converts a copy of the target
@@ -196,21 +197,21 @@ def compile_unavailable_reason(target, drafter=None) -> str | None:
         parameter = next(model.parameters(), None) if hasattr(model, "parameters") else None
         if parameter is not None and parameter.device.type != "cpu":
             return f"the compiled runtime is built for CPUs; the {name} is on {parameter.device.type}"
-    if drafter is not None and _reads_target_features(drafter):
-        # Their verification asks the target for hidden states, which the compiled graphs do not return: a target
-        # compiled without them would be timed fast and served slow.
-        return "the drafter reads the target's hidden states (EAGLE-3, DFlash), which the compiled graphs do not return"
     compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
     if not any(shutil.which(name) for name in compilers if name):
         return "no C++ compiler on PATH (inductor's CPU kernels need one: apt install g++, or set CXX)"
     return None
 
 
-def _reads_target_features(drafter) -> bool:
+def _feature_layers(drafter) -> list[int] | None:
+    """The target hidden states (``output_hidden_states`` indices) ``drafter`` reads, which the compiled target's
+    graphs must then return; ``None`` for a drafter that reads none (or no drafter)."""
+    if drafter is None:
+        return None
     try:
-        return family_of(drafter).target_layer_ids(drafter) is not None
+        return family_of(drafter).target_layer_ids(drafter)
     except (ValueError, TypeError):
-        return False
+        return None
 
 
 def _with_drafter_models(drafter, convert):
@@ -257,7 +258,7 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
     if reason is None:
         try:
             compiled_target = CompiledCausalLM(target, max_rows=max_window + 1, max_cache_len=max_cache_len,
-                                               settings=settings)
+                                               settings=settings, feature_layers=_feature_layers(drafter))
             seconds = compiled_target.warm_up(progress=progress)
             warmed = []
 
