@@ -15,8 +15,9 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
   target``: then each row's drafter runs at its target's precision (``serving_runtime(drafter_precision=...)``),
   which changes its cost per step and its acceptance, not the output;
 - ``compiled_speculative[<drafter>]``: the loop with a drafter and the rule ``calibrate_for_serving`` chooses on the
-  compiled runtime's measured costs (the main job's drafter, prompt lookup, and the hybrid of the two:
-  ``ppow_trl.drafters.hybrid``, the looked-up token where the text repeats, the drafter's elsewhere); when that rule is K = 0
+  compiled runtime's measured costs (the main job's drafter, prompt lookup, the hybrid of the two:
+  ``ppow_trl.drafters.hybrid``, the looked-up token where the text repeats, the drafter's elsewhere, and with
+  ``--eagle3`` an EAGLE-3 head, whose features the compiled target's graphs return); when that rule is K = 0
   the best rule that speculates is also timed, as ``compiled_speculative[<drafter>:best_speculative]``;
 - ``llama_cpp_plain[<f16|q8_0>]`` and ``llama_cpp_speculative[<f16|q8_0>]`` (``--skip-llama-cpp`` to leave out):
   llama.cpp's CPU kernels through llama-cpp-python, the strongest plain baseline a CPU user may pick. SmolLM2 is
@@ -66,7 +67,8 @@ def run_settings(args) -> dict:
             "max_window": args.max_window, "drafter": str(args.drafter), "precisions": sorted(args.precisions),
             "skip_hf_compiled": args.skip_hf_compiled, "skip_llama_cpp": args.skip_llama_cpp,
             "served_min_speedup": SERVED_MIN_SPEEDUP,
-            **({"drafter_precision": args.drafter_precision} if args.drafter_precision != "own" else {})}
+            **({"drafter_precision": args.drafter_precision} if args.drafter_precision != "own" else {}),
+            **({"eagle3": str(args.eagle3)} if args.eagle3 else {})}
 
 
 def run_state_dir(args, threads: int) -> Path:
@@ -126,6 +128,8 @@ def child(args) -> dict:
     drafters = {"ppow": load_drafter(args.drafter, target=target).eval(),
                 "prompt_lookup": get_family("prompt_lookup").build(target, tokenizer).eval()}
     drafters["hybrid"] = hybrid_drafter(drafters["ppow"], target)  # lookup where the text repeats, ppow elsewhere
+    if args.eagle3:  # a head reading the target's hidden states: the compiled target's graphs return them
+        drafters["eagle3"] = load_drafter(args.eagle3, target=target).eval()
     # Held-out calibration contexts: the target's greedy responses to ShareGPT test prompts (cached on disk).
     calibration = build_target_responses(target, tokenizer, load_prompts("sharegpt-test", CALIBRATION_PROMPTS, seed=1),
                                          max_new_tokens=64, batch_size=8, seed=1,
@@ -375,6 +379,8 @@ def main() -> int:
                         help="target precisions served side by side (fp32 always)")
     parser.add_argument("--drafter-precision", choices=["own", "target"], default="own",
                         help="the drafters of a converted target's rows: as loaded (own) or at the target's precision")
+    parser.add_argument("--eagle3", type=Path, default=None,
+                        help="an EAGLE-3 head's folder (the eagle3 recipe's merged/): adds its compiled_speculative rows")
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -385,6 +391,9 @@ def main() -> int:
         return 0
     if not (Path(args.drafter) / "config.json").is_file():
         raise SystemExit(f"No drafter at {args.drafter}: run the main job first (README), or pass --drafter FOLDER.")
+    if args.eagle3 and not (args.eagle3 / "config.json").is_file():
+        raise SystemExit(f"No EAGLE-3 head at {args.eagle3}: train one (accelerate launch recipes/ppow_llama.py "
+                         "--config recipes/configs/offline_smollm2_eagle3.yaml) and pass its merged/ folder.")
     # --force reruns the thread counts asked for and keeps the others' results.
     results = json.loads(args.out.read_text()) if args.out.is_file() else {"runs": {}, "meta": {}}
     results["command"] = "python benchmarks/compiled_serving.py " + " ".join(sys.argv[1:])
@@ -400,7 +409,7 @@ def main() -> int:
                    str(args.max_window), "--drafter", args.drafter] + (["--skip-hf-compiled"] if args.skip_hf_compiled else []) + (
                       ["--skip-llama-cpp"] if args.skip_llama_cpp else []) + [
                       "--precisions", *args.precisions, "--drafter-precision", args.drafter_precision] + (
-                      ["--fresh"] if args.force else [])
+                      ["--fresh"] if args.force else []) + (["--eagle3", str(args.eagle3)] if args.eagle3 else [])
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
         if done.returncode:
