@@ -490,23 +490,33 @@ def test_serving_runtime_compiles_target_and_standalone_drafter_and_times_them(m
     assert served.new_tokens == plain
 
 
-def test_a_drafter_reading_the_targets_hidden_states_serves_on_the_compiled_graphs(models):
-    """EAGLE-3 on the compiled route: the target's graphs return the hidden states the head reads next to the logits
-    (the eager model's, up to the kernels' rounding), so the served loop runs the target eagerly only for the
-    prompt's prefill; nothing compiles in it, and greedy speculative decoding gives the compiled plain tokens."""
-    from ppow_trl.drafters.eagle3 import Eagle3DrafterForCausalLM
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_a_drafter_reading_the_targets_hidden_states_serves_on_the_compiled_graphs(models, family):
+    """EAGLE-3 and DFlash on the compiled route: the target's graphs return the hidden states the drafter reads next
+    to the logits (the eager model's, up to the kernels' rounding), so the served loop runs the target eagerly only
+    for the prompt's prefill; nothing compiles in it, and greedy speculative decoding gives the compiled plain
+    tokens."""
+    from ppow_trl.drafting import family_of
     from ppow_trl.features import forward_at, select_features
     from ppow_trl.serving.runtime import serving_runtime
 
     target, _, _ = models
-    layers = [0, 1, 2]
     torch.manual_seed(0)
-    head = Eagle3DrafterForCausalLM.from_target(target, target_layer_ids=layers).eval()
+    if family == "eagle3":
+        from ppow_trl.drafters.eagle3 import Eagle3DrafterForCausalLM
+
+        head = Eagle3DrafterForCausalLM.from_target(target, target_layer_ids=[0, 1, 2]).eval()
+    else:
+        from ppow_trl.drafters.dflash import dflash_from_target
+
+        head = dflash_from_target(target, mask_token_id=6, block_size=MAX_ROWS, target_layer_ids=[0, 1],
+                                  num_hidden_layers=1, seed=1).eval()
+    layers = family_of(head).target_layer_ids(head)
     runtime = serving_runtime(target, head, runtime="compiled", max_window=MAX_ROWS - 1, max_cache_len=96,
                               progress=False)
     assert runtime.name == "compiled" and runtime.fallback is None
     compiled = runtime.target
-    assert compiled.feature_layers == layers and runtime.drafter is head  # the head itself serves eagerly
+    assert compiled.feature_layers == layers and runtime.drafter is head  # the drafter itself serves eagerly
 
     ids = torch.randint(8, 64, (1, 20), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -515,7 +525,7 @@ def test_a_drafter_reading_the_targets_hidden_states_serves_on_the_compiled_grap
         torch.testing.assert_close(features[0], eager[:12], atol=1e-4, rtol=1e-4)  # over a static cache
         for rows in range(1, MAX_ROWS + 1):  # every graph returns its rows' features
             out, features = forward_at(compiled, ids[0, 12:12 + rows].tolist(), out.cache, 12, layers)
-            assert features.shape == (1, rows, 3 * target.config.hidden_size)
+            assert features.shape == (1, rows, len(layers) * target.config.hidden_size)
             torch.testing.assert_close(features[0], eager[12:12 + rows], atol=1e-4, rtol=1e-4)
             crop_cache(out.cache, 12)
 
