@@ -61,6 +61,14 @@ COMPILED_SERVING_SEPARATE_RUNS = {
         "the same machine, prompts and drafter as the run above, with the serving calibration also searching rules "
         "whose rounds draft nothing when the first confidence is under h, and the hybrid without its trained "
         "drafter."),
+    "compiled_serving_xeon_amx_eagle3.json": (
+        "on an Intel Xeon with AMX, with an EAGLE-3 head",
+        "the same machine, prompts and drafter as the run above, an EAGLE-3 head (the eagle3 recipe's) added: the "
+        "compiled target's graphs return the hidden states it reads; the head itself runs eagerly."),
+    "compiled_serving_xeon_amx_2threads.json": (
+        "on an Intel Xeon with AMX, every row",
+        "the same machine, prompts, drafters and code as the EAGLE-3 run, at 2 threads, with transformers' compiled "
+        "generate and llama.cpp's rows."),
 }
 
 
