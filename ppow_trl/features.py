@@ -9,6 +9,8 @@ and get plain forwards.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers import DynamicCache
 
@@ -26,6 +28,9 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int
     return torch.cat([hidden_states[i] for i in layer_ids], dim=-1)
 
 
+_NOT_A_RUNTIME = object()
+
+
 def target_forward(target, layer_ids: list[int] | None, **forward_kwargs):
     """``target(**forward_kwargs)`` and, when ``layer_ids`` is given, the features of its input positions.
 
@@ -37,9 +42,16 @@ def target_forward(target, layer_ids: list[int] | None, **forward_kwargs):
     """
     if layer_ids is None:
         return target(**forward_kwargs), None
-    if getattr(target, "feature_layers", None) == list(layer_ids):
+    served = getattr(target, "feature_layers", _NOT_A_RUNTIME)
+    if served == list(layer_ids):
         output = target(**forward_kwargs, return_features=True)
         return output, output.features
+    if served is not _NOT_A_RUNTIME:
+        # a compiled runtime built for other layers (or none): correct, but every verify pass runs eagerly
+        warnings.warn(f"This compiled runtime returns the hidden states {served}, not {list(layer_ids)}: every forward "
+                      "that reads features runs the eager model. Build it with serving_runtime(target, drafter), or "
+                      "CompiledCausalLM(..., feature_layers=ppow_trl.drafting.target_layer_ids(drafter)).",
+                      stacklevel=2)
     output = target(**forward_kwargs, output_hidden_states=True)
     features = select_features(output.hidden_states, layer_ids)
     output.hidden_states = None

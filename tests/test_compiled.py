@@ -553,3 +553,33 @@ def test_a_drafter_reading_the_targets_hidden_states_serves_on_the_compiled_grap
     # one eager target call per sequence: the prompt's prefill (6, 7, 8 tokens: 5, 6, 7 cached); plain decoding's
     # greedy_continuation prefills too
     assert sorted(eager_calls) == sorted([5, 6, 7] + [6, 7, 8])
+    plain_runtime = models[2]  # built without feature_layers: right features, from the eager model, said once
+    with torch.no_grad(), pytest.warns(UserWarning, match="runs the eager model"):
+        _, features = forward_at(plain_runtime, ids[0, :12].tolist(), None, 0, layers)
+    torch.testing.assert_close(features[0], eager[:12], atol=1e-4, rtol=1e-4)
+
+
+def test_feature_graphs_on_torch_compile(monkeypatch, tmp_path):
+    """The feature graphs without packages (``packaged=False``, or after packaging failed): torch.compile traces the
+    forward with ``output_hidden_states``, whose capturing hooks transformers installs at the first call that asks
+    for them (eagerly, before any trace); the features are the eager model's and nothing recompiles after the
+    warm-up."""
+    from ppow_trl.features import forward_at, select_features
+
+    monkeypatch.setenv("PPOW_TRL_CACHE", str(tmp_path))
+    target, _, _ = make_target_and_drafters(seed=4)
+    layers = [0, 2]
+    compiled = CompiledCausalLM(target, max_rows=2, max_cache_len=32, settings=CompileSettings(packaged=False),
+                                feature_layers=layers)
+    compiled.warm_up(progress=False)
+    assert not compiled.packaged
+    ids = torch.randint(8, 64, (1, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        eager = select_features(target(ids, output_hidden_states=True).hidden_states, layers)[0]
+        graphs = _graphs()
+        out, _ = forward_at(compiled, ids[0, :6].tolist(), None, 0, layers)
+        for rows in (1, 2):
+            out, features = forward_at(compiled, ids[0, 6:6 + rows].tolist(), out.cache, 6, layers)
+            torch.testing.assert_close(features[0], eager[6:6 + rows], atol=1e-4, rtol=1e-4)
+            crop_cache(out.cache, 6)
+    assert _graphs() == graphs

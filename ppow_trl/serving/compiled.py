@@ -168,6 +168,12 @@ class CompiledCausalLM(torch.nn.Module):
         # The settings go through inductor's global config, patched around every call (compiling happens at the
         # first call of each shape): passed as torch.compile(options=...), max-autotune's C++ GEMM template was never
         # chosen (SmolLM2's lm head: 9.7/24.0/35.7 ms for 1/2/3 rows either way, 4.5/4.2/3.8 ms with the config set).
+        if self.feature_layers is not None:
+            # transformers collects hidden states with forward hooks it installs at the first call that asks for them
+            # (under a lock, which a fullgraph trace cannot take): install them here, eagerly, before any trace
+            with torch.no_grad():
+                self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.model.device),
+                           output_hidden_states=True)
         self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False,
                                        options={"guard_filter_fn": _skip_registry_guards} if _HAS_GUARD_FILTER else None)
 
@@ -359,7 +365,8 @@ class CompiledCausalLM(torch.nn.Module):
             # the weights and the code the graph was traced from, and the settings' key: a folder the user chose
             # with TORCHINDUCTOR_CACHE_DIR does not name the settings, torch, the CPU or the threads
             self._digest = f"{compile_cache_dir(self.settings).name}-{weights_digest(self.model)}" + (
-                "" if self.feature_layers is None else "-features" + ".".join(map(str, self.feature_layers)))
+                "" if self.feature_layers is None else "-features" + ".".join(map(str, self.feature_layers))
+                + "-" + _source_digest(select_features))  # the feature graphs also trace select_features
         return package_path(self.cache_dir, self._digest, rows, self.max_rows, self.max_cache_len)
 
     def _build_packages(self, rows: list[int], cache, progress: bool = False) -> None:
@@ -484,6 +491,14 @@ class CompiledCausalLM(torch.nn.Module):
             ids = token.repeat(1, rows)
             self._call_compiled(ids, torch.arange(rows, device=ids.device).unsqueeze(0), cache)
             cache.crop(-rows)
+
+
+def _source_digest(function) -> str:
+    """A short hash of ``function``'s source: part of a package's key where its graph traces that code."""
+    import hashlib
+    import inspect
+
+    return hashlib.blake2b(inspect.getsource(function).encode(), digest_size=4).hexdigest()
 
 
 def _columns(tensor, start: int, stop: int):
