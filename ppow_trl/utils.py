@@ -173,6 +173,23 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
     return set(match.group(1).split()) if match else set()
 
 
+def bf16_matmuls_are_fast() -> bool:
+    """Whether bf16 matrix products beat fp32 here: a CUDA GPU that supports bf16, or a CPU with ``avx512_bf16`` or
+    AMX (``amx_bf16``). Elsewhere bf16 on a CPU is emulated and slower than fp32."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def resolve_precision(precision: str) -> str:
+    """``"auto"`` -> ``"bf16"`` where `bf16_matmuls_are_fast`, else ``"fp32"``; ``"fp32"`` / ``"bf16"`` as given."""
+    if precision not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {precision!r}.")
+    if precision == "auto":
+        return "bf16" if bf16_matmuls_are_fast() else "fp32"
+    return precision
+
+
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows: stated with every measured figure."""
     import platform

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -33,15 +34,15 @@ from ppow_trl.serving.assisted import save_assistant
 from ppow_trl.bench import BenchDrafter, run_benchmark
 from ppow_trl.bench.served import compare_arms, format_arms, generate_arm, loop_arm
 from ppow_trl.serving.calibration import held_out_contexts
-from ppow_trl.data import (build_target_responses, compute_target_features, compute_target_topk, encode_prompt,
-                           load_prompts, stop_token_ids)
+from ppow_trl.data import (build_target_responses, build_teacher_forced, compute_target_features, encode_prompt,
+                           load_prompts, load_sharegpt_conversations, stop_token_ids)
 from ppow_trl.drafting import get_family
 from ppow_trl.drafters.hybrid import hybrid_drafter
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target
 from ppow_trl.training.model_card import PROTOCOL
 from ppow_trl.serving.runtime import serving_runtime
 from ppow_trl.serving.rule import calibrate_for_serving
-from ppow_trl.utils import cache_root, save_json, set_cpu_threads
+from ppow_trl.utils import cache_root, resolve_precision, save_json, set_cpu_threads
 from ppow_trl.serving.windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger("ppow_llama")
@@ -91,21 +92,36 @@ class PPOWScriptArguments:
             `<output_dir>/dflash-<format>`.
         draft_vocab_size (`int`, *optional*, defaults to `8192`):
             Reduced output head of the drafter (most frequent ids of the target's responses); 0 keeps the full head.
+        train_data (`str`, *optional*, defaults to `"regenerated"`):
+            `regenerated`: the target answers the training prompts (`build_target_responses`, labels from the same
+            pass). `teacher_forced`: ShareGPT's own answers, labelled with the target's top-k in one forward each
+            (`build_teacher_forced`, EAGLE-1's route, `train_prompts: sharegpt` only): several times the tokens per
+            CPU-second (`benchmarks/results/data_throughput.json`); the calibration responses are then regenerated
+            by the target (`calibration_max_new_tokens`), since the served rule is predicted on the target's own text.
+        label_precision (`str`, *optional*, defaults to `"auto"`):
+            `teacher_forced` labelling under bf16 autocast (`bf16`), in fp32 (`fp32`), or bf16 where the CPU has
+            avx512_bf16 / AMX or the GPU bf16 (`auto`).
         train_prompts (`str`, *optional*, defaults to `"sharegpt"`):
             `sharegpt` (train split), `mtbench`, or a JSONL file of prompts.
         num_train_prompts (`int`, *optional*, defaults to `32`):
-            Prompts whose responses the target regenerates for training.
+            Prompts whose responses the target regenerates for training (`teacher_forced`: conversations labelled).
         max_new_tokens (`int`, *optional*, defaults to `64`):
-            Length of the regenerated responses.
+            Length of the regenerated responses (`teacher_forced`: the tokens kept of each answer).
         calibration_fraction (`float`, *optional*, defaults to `0.2`):
             Share of the regenerated responses held out of training: the trainer's `eval_dataset`, on which it
             calibrates the window policy (K, h) after training and evaluates `eval_tau` at `eval_steps`.
+            (`teacher_forced`: this share of the prompts is answered by the target instead.)
+        calibration_max_new_tokens (`int`, *optional*, defaults to `64`):
+            `teacher_forced` only: length of the target's answers to the held-out calibration prompts.
         kd_steps (`int`, *optional*, defaults to `0`):
             Steps of token-level distillation (KDTrainer on the target's top-k) before PPOW; 0 skips it.
         kd_learning_rate (`float`, *optional*, defaults to `5e-4`):
             Learning rate of the KD warm start.
         kd_batch_size (`int`, *optional*, defaults to `8`):
             KD sequences per process and step.
+        kd_precision (`str`, *optional*, defaults to `"auto"`):
+            KD under bf16 autocast (`bf16`), in fp32 (`fp32`), or bf16 where it is fast (`auto`: avx512_bf16 / AMX,
+            bf16 GPUs); the loss is computed in float32 either way.
         kd_save_steps (`int`, *optional*, defaults to `0`):
             Checkpoint the KD warm start every this many steps in `<output_dir>/kd`, and resume from the latest
             checkpoint there when the recipe is run again (long runs); 0 keeps no checkpoint.
@@ -157,13 +173,19 @@ class PPOWScriptArguments:
     export_format: str | None = field(default=None, metadata={
         "help": "specforge | speculators (EAGLE-3 export); zlab | speculators (DFlash export)."})
     draft_vocab_size: int = field(default=8192, metadata={"help": "Reduced drafter head; 0 = full head."})
+    train_data: str = field(default="regenerated", metadata={
+        "help": "regenerated (the target answers) | teacher_forced (ShareGPT's answers, labelled in one forward)"})
+    label_precision: str = field(default="auto", metadata={"help": "teacher_forced labelling: auto | bf16 | fp32"})
     train_prompts: str = field(default="sharegpt", metadata={"help": "sharegpt | mtbench | path.jsonl"})
     num_train_prompts: int = field(default=32, metadata={"help": "Prompts regenerated by the target for training."})
     max_new_tokens: int = field(default=64, metadata={"help": "Length of the regenerated responses."})
     calibration_fraction: float = field(default=0.2, metadata={"help": "Responses held out to calibrate (K, h)."})
+    calibration_max_new_tokens: int = field(default=64, metadata={
+        "help": "teacher_forced: length of the target's answers to the calibration prompts."})
     kd_steps: int = field(default=0, metadata={"help": "KD warm-start steps (0 = none)."})
     kd_learning_rate: float = field(default=5e-4, metadata={"help": "KD learning rate."})
     kd_batch_size: int = field(default=8, metadata={"help": "KD sequences per process and step."})
+    kd_precision: str = field(default="auto", metadata={"help": "KD matmuls: auto | bf16 | fp32"})
     kd_save_steps: int = field(default=0, metadata={"help": "KD checkpoint interval (0 = none); resumes from the last."})
     serving_calibration_prompts: str | None = field(default=None, metadata={
         "help": "Calibrate the served rules on the target's answers to these prompts (mtbench | code | sharegpt-test | "
@@ -198,6 +220,13 @@ class PPOWScriptArguments:
         if self.serving_calibration_prompts is not None and self.num_serving_calibration_prompts < 1:
             raise ValueError("num_serving_calibration_prompts must be >= 1 with serving_calibration_prompts, got "
                              f"{self.num_serving_calibration_prompts}.")
+        if self.train_data not in TRAIN_DATA:
+            raise ValueError(f"train_data must be one of {TRAIN_DATA}, got {self.train_data!r}.")
+        if self.train_data == "teacher_forced" and self.train_prompts != "sharegpt":
+            raise ValueError("train_data: teacher_forced labels ShareGPT's own answers: set train_prompts: sharegpt, or "
+                             "train_data: regenerated for other prompts (the target answers them).")
+        for name in ("label_precision", "kd_precision"):
+            resolve_precision(getattr(self, name))  # a bad value fails here, before any model loads
         if self.num_train_prompts < 2:
             raise ValueError(f"num_train_prompts must be >= 2 (training and calibration), got {self.num_train_prompts}.")
 
@@ -227,6 +256,8 @@ class PPOWScriptArguments:
         return None, None
 
 
+TRAIN_DATA = ("regenerated", "teacher_forced")
+
 FAMILY_FIELDS: dict[str, tuple[str, str | None]] = {
     # field -> (the drafter family it belongs to, the DrafterFamily.build option it sets; None: the checkpoint a
     # drafter is loaded from, in any layout the family imports)
@@ -249,7 +280,16 @@ def _named(field_name: str, value, build):
         raise type(error)(f"--{field_name} {value!r}: {error}") from error
 
 
+def check_arguments(script_args: PPOWScriptArguments, training_args: PPOWConfig) -> None:
+    """What no single dataclass can check alone, before any model loads."""
+    if script_args.train_data == "teacher_forced" and training_args.reward_source == "cache":
+        raise ValueError("reward_source: cache reads greedy rewards from the training text, exact only when it is the "
+                         "target's own greedy text; teacher-forced answers are not: set reward_source: target (the "
+                         "target verifies each window) or train_data: regenerated.")
+
+
 def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args: ModelConfig):
+    started = time.time()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and training_args.world_size == 1:
@@ -269,14 +309,12 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     prompts = load_prompts(script_args.train_prompts, num_samples=script_args.num_train_prompts, seed=training_args.seed)
     serving_prompts = (serving_calibration_prompts(script_args, training_args.seed, trained=prompts)
                        if script_args.serving_calibration_prompts else None)  # a bad source fails before any work
-    # Under `accelerate launch` every process regenerates its share of the chunks (cached, resumable), then all load
+    # Under `accelerate launch` every process builds its share of the chunks (cached, resumable), then all load
     # every shard: the data costs 1/N of the time on N processes.
-    data = build_target_responses(target, tokenizer, prompts, max_new_tokens=script_args.max_new_tokens,
-                                  batch_size=8, seed=training_args.seed, cache_dir=cache / "responses")
-    num_calibration = max(1, int(round(len(data) * script_args.calibration_fraction)))
-    train_data = data.select(range(len(data) - num_calibration))
-    calibration_data = data.select(range(len(data) - num_calibration, len(data)))
-    logger.info("%d target responses for training, %d held out for calibration", len(train_data), len(calibration_data))
+    train_data, calibration_data = training_data(target, tokenizer, prompts, script_args, training_args.seed, cache)
+    logger.info("%d %s examples (%d response tokens) for training, %d target responses held out for calibration",
+                len(train_data), script_args.train_data, sum(map(len, train_data["response_ids"])),
+                len(calibration_data))
     # The served rules' calibration data: the held-out training responses, or the target's answers to prompts of the
     # serving domain (acceptance, and so the predicted speedup, depends on the domain).
     serving_data, calibrated_on = calibration_data, f"{len(calibration_data)} held-out {script_args.train_prompts} responses"
@@ -302,8 +340,8 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
                                                                                draft_vocab))
 
     if script_args.kd_steps:
-        # shared by the processes like the responses
-        topk = compute_target_topk(target, train_data, top_k=32, batch_size=8, cache_dir=cache / "topk")
+        # the labels came with the data (same pass); shared by the processes like the responses
+        topk = train_data
         layer_ids = family.target_layer_ids(drafter)
         if layer_ids is not None:  # the drafter's inputs, computed once (float16, cached)
             topk = compute_target_features(target, topk, layer_ids, batch_size=8, cache_dir=cache / "features")
@@ -315,8 +353,11 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
                            learning_rate=script_args.kd_learning_rate, lr_scheduler_type="cosine",
                            warmup_steps=max(1, script_args.kd_steps // 10),
                            logging_steps=max(1, min(50, script_args.kd_steps // 5)), **saving,
-                           report_to=training_args.report_to, seed=training_args.seed, use_cpu=training_args.use_cpu,
-                           ttt_steps=script_args.ttt_steps, ddp_find_unused_parameters=False)
+                           report_to=training_args.report_to, seed=training_args.seed,
+                           use_cpu=training_args.use_cpu,
+                           ttt_steps=script_args.ttt_steps, ddp_find_unused_parameters=False,
+                           bf16_autocast=resolve_precision(script_args.kd_precision) == "bf16",
+                           train_sampling_strategy="group_by_length")  # batches of similar lengths: little padding
         resume = get_last_checkpoint(str(kd_dir)) if script_args.kd_save_steps and kd_dir.is_dir() else None
         if resume:
             logger.info("KD resumes from %s", resume)
@@ -369,11 +410,16 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         if served:  # the side-by-side figures, next to the drafter they were measured with
             save_json({"calibrated_on": calibrated_on, **{k: v for k, v in served.items() if k != "table"}},
                       training_args.output_dir, "ppow_served_evaluation.json")
+        save_json(run_summary(script_args, training_args, train_data, trainer.window_policy, served, serving, started),
+                  training_args.output_dir, "run_summary.json")
         trainer.model_card_info = {
             "target": script_args.target_model,
             "drafter": family.describe(drafter) + _source_suffix(script_args),
-            "data": f"{len(train_data)} {script_args.train_prompts} prompts with responses regenerated by the target "
-            f"(<= {script_args.max_new_tokens} tokens)"
+            "data": (f"{len(train_data)} {script_args.train_prompts} prompts with responses regenerated by the target "
+                     if script_args.train_data == "regenerated" else
+                     f"{len(train_data)} {script_args.train_prompts} conversations, their own answers labelled with the "
+                     "target's top-32 (teacher-forced) ")
+            + f"(<= {script_args.max_new_tokens} tokens; {sum(map(len, train_data['response_ids'])):,} response tokens)"
             + (f"; KD warm start of {script_args.kd_steps} steps" if script_args.kd_steps else ""),
             "evaluation": summary,
             "evaluation_setup": f"{script_args.num_eval_prompts} {script_args.eval_prompts} prompts, greedy, "
@@ -387,6 +433,70 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     if training_args.push_to_hub:
         trainer.push_to_hub()
     return trainer
+
+
+def training_data(target, tokenizer, prompts, script_args, seed: int, cache: Path):
+    """``(train_data, calibration_data)``: rows with the KD columns (``prompt_ids``, ``response_ids``, ``topk_ids``,
+    ``topk_logprobs``) and the target's greedy responses to held-out prompts, on which the served rule is predicted.
+
+    ``regenerated``: the target answers every prompt, its labels read from the same pass; the last
+    ``calibration_fraction`` are held out. ``teacher_forced``: the first prompts' ShareGPT answers are labelled in
+    one forward each (``build_teacher_forced``); the target answers the last ``calibration_fraction`` of the prompts
+    (``calibration_max_new_tokens`` each), since acceptance on its own text is what serving sees."""
+    num_calibration = max(1, int(round(len(prompts) * script_args.calibration_fraction)))
+    if script_args.train_data == "teacher_forced":
+        conversations = load_sharegpt_conversations("train", num_samples=script_args.num_train_prompts, seed=seed)
+        if conversations["id"] != prompts["id"]:  # the same seeded sample of the same records
+            raise RuntimeError("ShareGPT conversations and prompts differ: the prompt cache is stale; delete it.")
+        train = build_teacher_forced(target, tokenizer, conversations.select(range(len(prompts) - num_calibration)),
+                                     max_response_tokens=script_args.max_new_tokens, batch_size=8,
+                                     precision=resolve_precision(script_args.label_precision),
+                                     cache_dir=cache / "teacher-forced")
+        held_out = prompts.select(range(len(prompts) - num_calibration, len(prompts)))
+        calibration = build_target_responses(target, tokenizer, held_out,
+                                             max_new_tokens=script_args.calibration_max_new_tokens, batch_size=8,
+                                             seed=seed, cache_dir=cache / "responses")
+        return train, calibration
+    data = build_target_responses(target, tokenizer, prompts, max_new_tokens=script_args.max_new_tokens, batch_size=8,
+                                  seed=seed, cache_dir=cache / "responses",
+                                  label_top_k=32 if script_args.kd_steps else None)
+    num_calibration = max(1, int(round(len(data) * script_args.calibration_fraction)))  # of the prompts kept
+    return data.select(range(len(data) - num_calibration)), data.select(range(len(data) - num_calibration, len(data)))
+
+
+def run_summary(script_args, training_args, train_data, policy, served: dict, serving, started: float) -> dict:
+    """What one run of the job did and measured (``<output_dir>/run_summary.json``; ``benchmarks/main_job.py`` copies
+    it to ``benchmarks/results/main_job.json``): the CPU, the wall-clock minutes from the start of ``main``, the
+    training tokens, the served rule, and the served rule measured against plain decoding on the same runtime and
+    precision (ratio of total times with its 95% bootstrap interval, tau, lossless prompts)."""
+    from ppow_trl.utils import cpu_flags, cpu_name
+
+    flags = cpu_flags()
+    summary = {
+        "cpu": {"model": cpu_name(), "cores": os.cpu_count(), "avx512f": "avx512f" in flags,
+                "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags},
+        "minutes": round((time.time() - started) / 60, 2),
+        "config": {"train_data": script_args.train_data, "num_train_prompts": script_args.num_train_prompts,
+                   "max_new_tokens": script_args.max_new_tokens, "kd_steps": script_args.kd_steps,
+                   "ppow_steps": training_args.max_steps, "label_precision": resolve_precision(script_args.label_precision),
+                   "kd_precision": resolve_precision(script_args.kd_precision)},
+        "train_tokens": sum(map(len, train_data["response_ids"])),
+        "served_rule": {"max_window": policy.max_window, "threshold": policy.threshold,
+                        "description": policy.calibration.get("serving_rule") if policy.calibration else None},
+        "precision": getattr(serving, "precision", None),
+        "runtime": getattr(serving, "name", training_args.runtime),
+    }
+    arm = next((row for label, row in (served.get("arms") or {}).items() if label.endswith("[served rule]")), None)
+    if arm is not None:
+        summary["measured"] = {"speedup": arm["speedup_vs_reference"], "ci95": arm["speedup_vs_reference_ci95"],
+                               "tau": arm["tau"], "prompts": arm["prompts"], "lossless_prompts": arm["lossless_prompts"],
+                               "vs": arm["reference"], "new_tokens_per_prompt": training_args.eval_max_new_tokens}
+        lookup = next((row for label, row in served["arms"].items() if label.endswith("[with prompt lookup]")), None)
+        if lookup is not None:
+            summary["measured_with_prompt_lookup"] = {"speedup": lookup["speedup_vs_reference"],
+                                                      "ci95": lookup["speedup_vs_reference_ci95"], "tau": lookup["tau"],
+                                                      "lossless_prompts": lookup["lossless_prompts"]}
+    return summary
 
 
 def serving_calibration_prompts(script_args, seed: int, trained=()):
@@ -606,6 +716,7 @@ if __name__ == "__main__":
         exit_on_bad_arguments(message)
     try:  # every field is checked here (PPOWScriptArguments', PPOWConfig's __post_init__), before any model loads
         script_args, training_args, model_args = parser.parse_args_and_config()
+        check_arguments(script_args, training_args)
     except ValueError as error:
         exit_on_bad_arguments(str(error))
     main(script_args, training_args, model_args)

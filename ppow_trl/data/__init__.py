@@ -1,6 +1,6 @@
 """Prompts, target-regenerated responses and target top-k distributions for drafter training.
 
-Four modules, each read top to bottom:
+Five modules, each read top to bottom:
 
 - `prompts.py`: the prompt loaders (`load_sharegpt`, `load_mtbench`, `load_prompts_jsonl`, `load_prompts`),
   one schema: `id` (string) and `messages` (a chat ending with a user turn), plus source-specific columns.
@@ -8,6 +8,9 @@ Four modules, each read top to bottom:
   SpecForge and speculators do: a drafter must learn what *the target* writes (design/PPOW.md "Setting").
 - `topk.py`: `compute_target_topk` stores the target's top-k next-token log-probabilities along each
   response, the teacher signal for token-level distillation without keeping the target in memory.
+- `teacher_forced.py`: `build_teacher_forced` labels a dataset's own answers (`load_sharegpt_conversations`) with
+  the target's top-k in one teacher-forced forward per sequence (EAGLE-1's route): the columns of the two builders
+  above at a fraction of their cost.
 - `cache.py`: the one resumable, sharded cache both builders run through (`build_sharded_dataset`): work is
   cut into fixed chunks, each finished chunk is saved atomically as
   `<cache_dir>/<kind>-<fingerprint>/shard-00000`, and the fingerprint covers the model, tokenizer, input data
@@ -43,6 +46,7 @@ from .prompts import (
     load_prompts,
     load_prompts_jsonl,
     load_sharegpt,
+    load_sharegpt_conversations,
     mtbench_question_path,
     recover_json_records,
     sharegpt_json_path,
@@ -58,7 +62,8 @@ from .responses import (
     truncate_at_stop,
 )
 from .features import compute_target_features, feature_bytes
-from .topk import compute_target_topk
+from .topk import compute_target_topk, topk_labels
+from .teacher_forced import LABEL_PRECISIONS, answer_token_ids, build_teacher_forced
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
@@ -81,6 +86,11 @@ __all__ = [
     "load_prompts",
     "load_prompts_jsonl",
     "load_sharegpt",
+    "load_sharegpt_conversations",
+    "LABEL_PRECISIONS",
+    "answer_token_ids",
+    "build_teacher_forced",
+    "topk_labels",
     "main_process_first",
     "model_fingerprint",
     "mtbench_question_path",

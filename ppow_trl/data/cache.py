@@ -249,8 +249,15 @@ def build_sharded_dataset(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     seed: int | None = None,
     desc: str | None = None,
+    sort_key: Callable[[dict[str, Any]], Any] | None = None,
+    unit: str | None = None,
+    count: Callable[[list[dict[str, Any]]], int] | None = None,
 ) -> Dataset:
     """Map `process_batch` over `inputs` chunk by chunk, saving each finished chunk; resume on restart.
+
+    ``sort_key``: the rows of each chunk are sorted by it before they are cut into batches (rows of similar length
+    share a batch, so little of it is padding); the chunk's output keeps that order. ``count`` (with ``unit``, e.g.
+    ``"token"``): what one batch's output rows hold, shown with its rate next to the progress bar (tokens/s).
 
     Rows are cut into chunks of `chunk_size` and each chunk into batches of `batch_size`; `process_batch`
     gets a list of row dicts and returns the output rows (it may drop rows). Each chunk runs under the
@@ -280,8 +287,8 @@ def build_sharded_dataset(
         logger.info("Caching %s in %s", kind, folder)
     num_chunks = math.ceil(len(inputs) / chunk_size)
     if folder is None:  # nothing to share or resume: compute in memory
-        shards = [_chunk_dataset(inputs, process_batch, features, index, chunk_size, batch_size, seed, desc or kind)
-                  for index in range(num_chunks)]
+        shards = [_chunk_dataset(inputs, process_batch, features, index, chunk_size, batch_size, seed, desc or kind,
+                                 sort_key, unit, count) for index in range(num_chunks)]
     else:
         # Each process builds its share of the missing chunks (chunk i on rank i % world), then all load every shard.
         rank, world = _process_share()
@@ -289,7 +296,7 @@ def build_sharded_dataset(
             shard_path = folder / f"shard-{index:05d}"
             if not shard_path.exists():
                 _save_atomically(_chunk_dataset(inputs, process_batch, features, index, chunk_size, batch_size, seed,
-                                                desc or kind), shard_path)  # False: another process published it
+                                                desc or kind, sort_key, unit, count), shard_path)  # False: another process published it
         if world > 1:
             _wait_for_everyone()
         shards = [_load_quietly(folder / f"shard-{index:05d}") for index in range(num_chunks)]
@@ -315,18 +322,26 @@ def _wait_for_everyone() -> None:
 
 
 def _chunk_dataset(inputs, process_batch, features, chunk_index: int, chunk_size: int, batch_size: int, seed,
-                   desc: str) -> Dataset:
+                   desc: str, sort_key=None, unit: str | None = None, count=None) -> Dataset:
     """``process_batch`` over one chunk of ``inputs``, under the chunk's own seed, as a dataset."""
     start, stop = chunk_index * chunk_size, min((chunk_index + 1) * chunk_size, len(inputs))
     rank, world = _process_share()
     label = f"{desc} (chunk {chunk_index + 1}/{math.ceil(len(inputs) / chunk_size)}" + (
         f", rank {rank})" if world > 1 else ")")
-    outputs = []
+    rows = inputs.select(range(start, stop)).to_list()
+    if sort_key is not None:
+        rows.sort(key=sort_key)
+    outputs, done = [], 0
     with _seeded(None if seed is None else _chunk_seed(seed, chunk_index)), \
             tqdm(total=stop - start, desc=label, unit="example") as progress:
-        for batch in _batches(inputs.select(range(start, stop)).to_list(), batch_size):
-            outputs.extend(process_batch(batch))
+        for batch in _batches(rows, batch_size):
+            out = process_batch(batch)
+            outputs.extend(out)
             progress.update(len(batch))
+            if count is not None:
+                done += count(out)
+                elapsed = progress.format_dict["elapsed"] or float("nan")
+                progress.set_postfix_str(f"{done:,} {unit or 'item'}s, {done / elapsed:,.0f} {unit or 'item'}s/s")
     return _dataset_from_rows(outputs, features)
 
 

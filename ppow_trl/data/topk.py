@@ -18,6 +18,14 @@ from .cache import DEFAULT_CHUNK_SIZE, build_sharded_dataset, dataset_fingerprin
 from .responses import _eval_mode, pad_sequences
 
 
+def topk_labels(logits: torch.Tensor, top_k: int) -> tuple[list, list]:
+    """``(ids, logprobs)`` lists of the ``top_k`` most likely tokens of each row of ``logits`` (float32
+    log-softmax over the full vocabulary, temperature 1): the KD teacher signal (``compute_target_topk``'s)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+    return ids.tolist(), values.tolist()
+
+
 def _topk_batch(target, rows: list[dict[str, Any]], top_k: int) -> list[dict[str, Any]]:
     """Teacher-forced top-k log-probabilities of the target along each row's response.
 
@@ -42,9 +50,7 @@ def _topk_batch(target, rows: list[dict[str, Any]], top_k: int) -> list[dict[str
         if stop == start:  # an empty response has nothing to predict
             row["topk_ids"], row["topk_logprobs"] = [], []
             continue
-        logprobs = torch.log_softmax(logits[index, start - first : stop - first].float(), dim=-1)
-        values, ids = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
-        row["topk_ids"], row["topk_logprobs"] = ids.tolist(), values.tolist()
+        row["topk_ids"], row["topk_logprobs"] = topk_labels(logits[index, start - first : stop - first], top_k)
     return rows
 
 

@@ -200,9 +200,14 @@ class StandaloneFamily(DrafterFamily):
         positions = mask.any(dim=0).nonzero().flatten()
         first, last = (int(positions[0]), int(positions[-1]) + 1) if positions.numel() else (0, 1)
         reduced = isinstance(unwrap_model(model), ReducedVocabHeadMixin)
+        attention_mask = inputs["attention_mask"]
+        if bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+            # Right padding (the KD collator's): causal attention alone keeps every real token from the pads after
+            # it, and without a mask SDPA runs its fused causal kernels, forward and backward.
+            attention_mask = None
         forward_kwargs = {
             "input_ids": inputs["input_ids"],
-            "attention_mask": inputs["attention_mask"],
+            "attention_mask": attention_mask,
             "logits_to_keep": torch.arange(first, last, device=mask.device),
             "use_cache": False,
         }

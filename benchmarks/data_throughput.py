@@ -1,0 +1,160 @@
+"""Training data per CPU-second: the data routes side by side, in one run, on the main job's process shape.
+
+Rows (every one ends with what ``KDTrainer`` reads: ``prompt_ids``, ``response_ids``, ``topk_ids``, ``topk_logprobs``):
+
+- ``regenerate_generate``: today's route before this benchmark: ``build_target_responses`` (transformers'
+  ``generate``, batch 8, greedy) then ``compute_target_topk`` (a second forward over prompt + response).
+- ``regenerate_single_pass``: the same ``generate`` with the labels read from its own logits
+  (``build_target_responses(label_top_k=32)``): no second pass; the greedy responses equal the first row's.
+- ``teacher_forced``: the dataset's own answers labelled in one forward per sequence (``build_teacher_forced``,
+  fp32), EAGLE-1's route; ``teacher_forced_bf16``: the same under bf16 autocast (CPUs with avx512_bf16 / AMX).
+
+``trained_tokens_per_second``: response tokens labelled (every one is a KD training position) over the wall-clock of
+the route, all processes together. Each route works on its own fresh cache folder, split over the launched
+processes as in the main job (chunk ``i`` on rank ``i % world``).
+
+    accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml benchmarks/data_throughput.py
+    python benchmarks/data_throughput.py --prompts 8 --conversations 8 --out /tmp/dt.json     # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __name__ == "__main__":
+    import torch as _torch
+
+    if not _torch.cuda.is_available():  # the launched processes form one gloo world only on the CPU backend
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+import torch
+import transformers
+from accelerate import PartialState
+from transformers import AutoTokenizer
+
+from ppow_trl.bench.report import cpu_name
+from ppow_trl.data import (build_target_responses, build_teacher_forced, compute_target_topk,
+                           load_sharegpt, load_sharegpt_conversations)
+from ppow_trl.models import load_target
+from ppow_trl.offline import smollm2_path
+from ppow_trl.utils import save_json, set_cpu_threads
+
+
+def cpu_flags() -> dict:
+    """The CPU as every figure states it: model, AVX-512, AMX, avx512_bf16, cores."""
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {"model": cpu_name(), "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "amx": "amx_tile" in flags, "cores": os.cpu_count()}
+
+
+def timed(state, build):
+    """``build()`` between two barriers: ``(result, wall seconds of the slowest process)``."""
+    state.wait_for_everyone()
+    start = time.perf_counter()
+    result = build()
+    state.wait_for_everyone()
+    return result, time.perf_counter() - start
+
+
+def row(dataset, seconds: float, **extra) -> dict:
+    tokens = sum(len(r) for r in dataset["response_ids"])
+    prompt_tokens = sum(len(p) for p in dataset["prompt_ids"])
+    return {"sequences": len(dataset), "trained_tokens": tokens, "prompt_tokens": prompt_tokens,
+            "seconds": seconds, "trained_tokens_per_second": tokens / seconds, **extra}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=48, help="ShareGPT train prompts regenerated (each route).")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="The main job's regenerated length.")
+    parser.add_argument("--conversations", type=int, default=96, help="ShareGPT train conversations teacher-forced.")
+    parser.add_argument("--max-response-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--out", default="benchmarks/results/data_throughput.json")
+    args = parser.parse_args(argv)
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    threads = set_cpu_threads()
+    target = load_target(smollm2_path())
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    prompts = load_sharegpt("train", num_samples=args.prompts, seed=1)
+    conversations = load_sharegpt_conversations("train", num_samples=args.conversations, seed=2)
+    chunk = max(1, args.batch_size)  # one batch per chunk: the chunks spread evenly over the processes
+    rows = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        # every rank must name the same folders: rank 0's scratch path is broadcast
+        from accelerate.utils import broadcast_object_list
+
+        shared = broadcast_object_list([scratch])[0] if state.num_processes > 1 else scratch
+        cache = lambda name: Path(shared) / name  # noqa: E731
+
+        def two_passes():
+            responses = build_target_responses(target, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
+                                               batch_size=args.batch_size, cache_dir=cache("responses"),
+                                               chunk_size=chunk)
+            return compute_target_topk(target, responses, top_k=32, batch_size=args.batch_size,
+                                       cache_dir=cache("topk"), chunk_size=chunk)
+
+        before, seconds = timed(state, two_passes)
+        rows["regenerate_generate"] = row(before, seconds, route="generate (batch 8), then a top-k forward")
+
+        single, seconds = timed(state, lambda: build_target_responses(
+            target, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+            cache_dir=cache("single"), chunk_size=chunk, label_top_k=32))
+        same = sum(a == b for a, b in zip(before["response_ids"], single["response_ids"]))
+        top1 = [x[0] == y[0] for a, b in zip(before["topk_ids"], single["topk_ids"]) for x, y in zip(a, b)]
+        gap = max(abs(x[0] - y[0]) for a, b in zip(before["topk_logprobs"], single["topk_logprobs"])
+                  for x, y in zip(a, b))
+        rows["regenerate_single_pass"] = row(single, seconds, route="generate (batch 8) with labels from its logits",
+                                             responses_equal=f"{same}/{len(before)}",
+                                             top1_label_agreement=sum(top1) / max(len(top1), 1),
+                                             max_top1_logprob_difference=gap)
+
+        for name, precision in (("teacher_forced", "fp32"), ("teacher_forced_bf16", "bf16")):
+            labelled, seconds = timed(state, lambda: build_teacher_forced(
+                target, tokenizer, conversations, max_response_tokens=args.max_response_tokens,
+                batch_size=args.batch_size, precision=precision, cache_dir=cache(name), chunk_size=chunk))
+            rows[name] = row(labelled, seconds, route=f"one forward over prompt + answer ({precision})")
+        fp32, bf16 = (build_teacher_forced(target, tokenizer, conversations, max_response_tokens=args.max_response_tokens,
+                                           batch_size=args.batch_size, precision=p, cache_dir=cache(n), chunk_size=chunk)
+                      for n, p in (("teacher_forced", "fp32"), ("teacher_forced_bf16", "bf16")))
+        agree = [x[0] == y[0] for a, b in zip(fp32["topk_ids"], bf16["topk_ids"]) for x, y in zip(a, b)]
+        rows["teacher_forced_bf16"]["top1_label_agreement_with_fp32"] = sum(agree) / max(len(agree), 1)
+        state.wait_for_everyone()
+
+    base = rows["regenerate_generate"]["trained_tokens_per_second"]
+    for values in rows.values():
+        values["vs_regenerate_generate"] = values["trained_tokens_per_second"] / base
+    result = {
+        "command": "accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml benchmarks/data_throughput.py"
+        if state.num_processes > 1 else "python benchmarks/data_throughput.py " + " ".join(argv or sys.argv[1:]),
+        "cpu": cpu_flags(), "processes": state.num_processes, "threads_per_process": threads,
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "target": "SmolLM2-135M-Instruct (fp32 weights)", "regenerated_new_tokens": args.max_new_tokens,
+        "teacher_forced_max_response_tokens": args.max_response_tokens, "batch_size": args.batch_size,
+        "rows": rows,
+    }
+    if state.is_main_process:
+        out = Path(args.out)
+        save_json(result, out.parent, out.name)
+        for name, values in rows.items():
+            print(f"{name:24s} {values['trained_tokens']:7d} tokens in {values['seconds']:7.1f} s: "
+                  f"{values['trained_tokens_per_second']:7.1f} trained tokens/s ({values['vs_regenerate_generate']:.2f}x)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
