@@ -408,3 +408,105 @@ def test_smollm2_regenerates_mtbench_responses():
     topk = compute_target_topk(target, responses, top_k=4, batch_size=2)
     for row in topk:
         assert [candidates[0] for candidates in row["topk_ids"]] == row["response_ids"]
+
+
+# ------------------------------------------------------------------------------- labels in one pass, teacher-forced
+
+
+def _brute_force_topk(target, prompt: list[int], response: list[int], k: int):
+    """The top-k of one unpadded forward over ``prompt + response`` at the positions predicting the response."""
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([prompt + response])).logits[0]
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(response)], dim=-1).topk(k, dim=-1)
+
+
+def test_labels_from_generates_own_logits_equal_a_second_forward(target, tiny_tokenizer):
+    plain = build_target_responses(target, tiny_tokenizer, _tiny_prompts(), max_new_tokens=6, batch_size=4)
+    labelled = build_target_responses(target, tiny_tokenizer, _tiny_prompts(), max_new_tokens=6, batch_size=4,
+                                      label_top_k=5)
+    assert labelled["response_ids"] == plain["response_ids"]  # labelling does not change what is generated
+    for row in labelled:
+        values, ids = _brute_force_topk(target, row["prompt_ids"], row["response_ids"], 5)
+        assert len(row["topk_ids"]) == len(row["response_ids"])
+        assert torch.equal(torch.tensor(row["topk_ids"]), ids)
+        torch.testing.assert_close(torch.tensor(row["topk_logprobs"]), values, atol=1e-4, rtol=1e-4)
+        assert [candidates[0] for candidates in row["topk_ids"]] == row["response_ids"]  # greedy: aligned
+
+
+def _conversations() -> Dataset:
+    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": " ".join(f"w{(i * 5 + j) % 56}"
+                                                                           for j in range(1 + i % 4))}],
+             "answer": " ".join(f"w{(i * 3 + j) % 56}" for j in range(n))}
+            for i, n in enumerate((4, 0, 9, 2, 6, 1, 7, 3))]
+    return Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_teacher_forced_labels_equal_one_unpadded_forward_per_sequence(target, tiny_tokenizer, tmp_path, batch_size):
+    conversations = _conversations()
+    labelled = data.build_teacher_forced(target, tiny_tokenizer, conversations, max_response_tokens=6, top_k=4,
+                                         batch_size=batch_size, chunk_size=4, cache_dir=tmp_path)
+    assert sorted(labelled["id"]) == sorted(i for i, a in zip(conversations["id"], conversations["answer"]) if a)
+    end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for row in labelled:
+        answer = tiny_tokenizer(row["answer"], add_special_tokens=False)["input_ids"]
+        assert row["prompt_ids"] == encode_prompt(tiny_tokenizer, row["messages"])
+        assert row["response_ids"] == (answer + [end])[:6]  # the answer, the turn's end, cut to 6 tokens
+        values, ids = _brute_force_topk(target, row["prompt_ids"], row["response_ids"], 4)
+        assert torch.equal(torch.tensor(row["topk_ids"]), ids)
+        torch.testing.assert_close(torch.tensor(row["topk_logprobs"]), values, atol=1e-5, rtol=1e-5)
+    again = data.build_teacher_forced(target, tiny_tokenizer, conversations, max_response_tokens=6, top_k=4,
+                                      batch_size=batch_size, chunk_size=4, cache_dir=tmp_path)
+    assert again.to_list() == labelled.to_list()  # read back from the cache
+    assert len(list(tmp_path.glob("teacher-forced-*/shard-*"))) == 2
+
+
+def test_teacher_forced_bf16_labels_stay_close_to_fp32(target, tiny_tokenizer):
+    fp32 = data.build_teacher_forced(target, tiny_tokenizer, _conversations(), top_k=4, precision="fp32")
+    bf16 = data.build_teacher_forced(target, tiny_tokenizer, _conversations(), top_k=4, precision="bf16")
+    assert bf16["response_ids"] == fp32["response_ids"]
+    first = torch.tensor([r[0] for rows in fp32["topk_logprobs"] for r in rows])
+    second = torch.tensor([r[0] for rows in bf16["topk_logprobs"] for r in rows])
+    assert (first - second).abs().mean() < 0.05  # bf16 matmuls: the same distribution up to rounding
+    top1 = [a[0] == b[0] for x, y in zip(fp32["topk_ids"], bf16["topk_ids"]) for a, b in zip(x, y)]
+    assert sum(top1) >= 0.9 * len(top1)
+
+
+def test_teacher_forced_bad_input_fails_before_any_forward(target, tiny_tokenizer):
+    with pytest.raises(ValueError, match="answer"):
+        data.build_teacher_forced(target, tiny_tokenizer, _tiny_prompts())
+    with pytest.raises(ValueError, match="precision"):
+        data.build_teacher_forced(target, tiny_tokenizer, _conversations(), precision="fp16")
+
+
+def test_sharegpt_conversations_carry_the_first_answer_and_keep_the_splits(tmp_path):
+    records = [
+        {"id": "a", "conversations": _chat("first")},
+        {"id": "b", "conversations": [{"from": "human", "value": "alone"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "q"}, {"from": "human", "value": "again"}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+    rows = sharegpt_prompts_from_file(path, with_answers=True)
+    assert rows["id"] == sharegpt_prompts_from_file(path)["id"]  # the same records with and without answers
+    assert rows["answer"] == ["answer", "", ""]
+
+    for split in ("train", "test"):
+        conversations = data.load_sharegpt_conversations(split, num_samples=30, seed=4, cache_dir=tmp_path)
+        prompts = load_sharegpt(split, num_samples=30, seed=4, cache_dir=tmp_path)
+        assert conversations["id"] == prompts["id"] and conversations["messages"] == prompts["messages"]
+    assert sum(bool(a.strip()) for a in conversations["answer"]) >= 25
+
+
+def test_a_cache_the_disk_cannot_hold_is_refused_before_any_forward(target, tiny_tokenizer, tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 10**6))  # 1 MB free
+    calls = []
+    monkeypatch.setattr(target, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(cache.NotEnoughDiskForCache, match="ppow_trl.caches delete --stale"):
+        data.build_teacher_forced(target, tiny_tokenizer, _conversations(), cache_dir=tmp_path / "new" / "folder")
+    assert calls == []
+    cache.check_disk(None, 10**15, "in memory")  # no cache: nothing to check

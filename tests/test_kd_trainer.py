@@ -398,3 +398,33 @@ def test_eval_tau_needs_the_target(setup, tmp_path):
     with pytest.raises(ValueError, match="eval_tau_window > 0 measures exact greedy tau against the target"):
         KDTrainer(make_tiny_llama(num_layers=1, seed=3), _config(tmp_path, eval_tau_window=2),
                   train_dataset=setup["topk"], eval_dataset=setup["responses"], processing_class=setup["tokenizer"])
+
+
+# ------------------------------------------------------------------------------------------ throughput options
+
+
+def test_bf16_autocast_keeps_the_loss_and_still_learns(setup, tmp_path):
+    set_seed(0)
+    drafter = make_drafter(setup["target"], num_layers=1)
+    trainer = _trainer(drafter, setup, tmp_path, max_steps=40, bf16_autocast=True)
+    batch = _batch(trainer, setup["topk"])
+    fp32 = _trainer(drafter, setup, tmp_path).compute_loss(drafter, batch).item()
+    assert trainer.compute_loss(drafter, batch).item() == pytest.approx(fp32, rel=0.05)  # bf16 matmuls, fp32 loss
+    kl_before, top1_before = _evaluate(trainer, setup["topk"])
+    trainer.train()
+    kl_after, top1_after = _evaluate(trainer, setup["topk"])
+    assert kl_after < 0.5 * kl_before and top1_after > top1_before + 0.3  # as in fp32 (test above)
+    assert all(p.dtype == torch.float32 for p in drafter.parameters())  # weights and optimizer stay fp32
+
+
+def test_group_by_length_batches_sequences_of_similar_length(setup, tmp_path):
+    drafter = make_tiny_llama(num_layers=1, seed=1)
+    trainer = _trainer(drafter, setup, tmp_path, per_device_train_batch_size=4,
+                       train_sampling_strategy="group_by_length")
+    lengths = [len(p) + len(r) for p, r in zip(setup["topk"]["prompt_ids"], setup["topk"]["response_ids"])]
+    assert trainer.train_dataset["length"] == lengths
+    padded = sum(batch["input_ids"].numel() for batch in trainer.get_train_dataloader())
+    shuffled = _trainer(drafter, setup, tmp_path, per_device_train_batch_size=4)
+    assert "length" not in shuffled.train_dataset.column_names
+    # grouped: every batch pads to about its own longest sequence, so fewer positions than a random draw's
+    assert padded < sum(batch["input_ids"].numel() for batch in shuffled.get_train_dataloader())

@@ -212,6 +212,30 @@ def open_cache_folder(cache_dir: str | Path, kind: str, settings: dict[str, Any]
     return folder
 
 
+DISK_MARGIN_BYTES = 1 << 30  # left free on the disk for everything else
+
+
+class NotEnoughDiskForCache(OSError):
+    """A data cache would not fit on its disk: raised before any of its work starts."""
+
+
+def check_disk(cache_dir: str | Path | None, needed_bytes: int, what: str) -> None:
+    """Refuse, before any work, a cache of about ``needed_bytes`` that the disk under ``cache_dir`` cannot hold (with
+    ``DISK_MARGIN_BYTES`` to spare); what is already cached there counts as written. A no-op without a cache."""
+    if cache_dir is None or needed_bytes <= 0:
+        return
+    folder = Path(cache_dir)
+    existing = folder
+    while not existing.exists():  # the nearest folder that exists is on the same disk
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if needed_bytes + DISK_MARGIN_BYTES > free:
+        raise NotEnoughDiskForCache(
+            f"{what} needs about {needed_bytes / 1e9:.1f} GB under {folder}, and its disk has {free / 1e9:.1f} GB free "
+            f"(keeping {DISK_MARGIN_BYTES / 1e9:.1f} GB spare). Free space with `python -m ppow_trl.caches delete "
+            "--stale` (`scan` lists what the caches hold), or point $PPOW_TRL_CACHE at a larger disk.")
+
+
 @contextlib.contextmanager
 def _seeded(seed: int | None) -> Iterator[None]:
     """Run a block under a fixed torch seed without disturbing the caller's random state."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from datasets import Array2D, Dataset, Features, concatenate_datasets
 
-from .cache import DEFAULT_CHUNK_SIZE, build_sharded_dataset, dataset_fingerprint, model_fingerprint
+from .cache import DEFAULT_CHUNK_SIZE, build_sharded_dataset, check_disk, dataset_fingerprint, model_fingerprint
 from .responses import pad_sequences
 from ..features import target_features
 
@@ -57,8 +57,10 @@ def compute_target_features(
                          "first.")
     hidden = target.config.get_text_config().hidden_size
     width = len(layer_ids) * hidden
-    print(f"Target features: {feature_bytes(dataset, layer_ids, hidden) / 2**20:.0f} MiB (float16, {width} per token)"
+    size = feature_bytes(dataset, layer_ids, hidden)
+    print(f"Target features: {size / 2**20:.0f} MiB (float16, {width} per token)"
           + (f" under {cache_dir}" if cache_dir else " in memory"), flush=True)
+    check_disk(cache_dir, size, "Target features")  # before any forward: a clear error, not a full disk mid-run
     settings = {"model": model_fingerprint(target), "inputs": dataset_fingerprint(dataset), "layer_ids": list(layer_ids),
                 "batch_size": batch_size, "chunk_size": chunk_size}
     columns = build_sharded_dataset(

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from datasets import Dataset, Features, Value
 
-from .cache import DEFAULT_CHUNK_SIZE, build_sharded_dataset, dataset_fingerprint, model_fingerprint, tokenizer_fingerprint
+from .cache import (DEFAULT_CHUNK_SIZE, build_sharded_dataset, check_disk, dataset_fingerprint, model_fingerprint,
+                    tokenizer_fingerprint)
 from .responses import TOKEN_IDS_FEATURE, _eval_mode, encode_prompt, pad_sequences, stop_token_ids
 from .topk import topk_labels
 
@@ -107,6 +108,10 @@ def build_teacher_forced(
     if max_response_tokens < 1 or top_k < 1:
         raise ValueError(f"max_response_tokens and top_k must be >= 1, got {max_response_tokens} and {top_k}.")
     end_id = stop_token_ids(target, tokenizer)[0]
+    # Before any forward: room for the labels (int32 id + float32 log-prob per top-k entry and response token; a
+    # token is about 4 characters of English, and no answer keeps more than max_response_tokens).
+    tokens = sum(min(len(answer) // 4 + 1, max_response_tokens) for answer in conversations["answer"])
+    check_disk(cache_dir, tokens * top_k * 8 * 2, "Teacher-forced labels")  # x2: Arrow's list offsets and slack
 
     def process_batch(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kept = []

@@ -66,7 +66,7 @@ from .attention import fixed_rows_attention
 from .inductor_settings import CompileSettings, compile_cache_dir, compile_context, use_compile_cache
 from .package_store import (build_bytes, disk_full, make_room, mark_used, package_bytes, package_path,
                             remove_stale_build_files, store_budget_bytes)
-from .packaged import build_packages, build_workers, cache_state, load_package, weights_digest
+from .packaged import build_packages, build_workers, cache_state, load_package, weights_digest, write_build_info
 from .row_check import RowPlan, choose_row_plan, split_rows
 
 __all__ = ["CompileSettings", "CompiledCausalLM", "compile_cache_dir", "compile_context", "use_compile_cache"]
@@ -384,6 +384,7 @@ class CompiledCausalLM(torch.nn.Module):
                                                                                self.model.buffers()))
         workers = self.build_workers = build_workers(len(missing), model_bytes)
         mark_used(package_set)  # in use: no other process removes it while this one builds
+        write_build_info(package_set)  # what `python -m ppow_trl.caches scan` checks it against later
         # before any compiling: room on the disk, made by removing unused package sets, or a clear error
         make_room(package_set, keep=package_bytes(model_bytes, len(missing)),
                   peak=build_bytes(model_bytes, len(missing), workers))

@@ -89,11 +89,20 @@ class CompileSettings:
         return "+".join(parts)
 
 
+KEY_FILE = "key.json"
+"""What an inductor cache folder was keyed on, written in it (``use_compile_cache``): ``ppow_trl.caches`` reads it to
+tell the folders of another torch build or CPU (stale) from current ones."""
+
+
+def compile_cache_key(settings: CompileSettings) -> dict:
+    """What one inductor cache serves: the torch build, the CPU's instruction sets, the threads and the settings."""
+    return {"torch": torch.__version__, "cpu": sorted(cpu_flags()), "threads": torch.get_num_threads(),
+            "settings": asdict(settings)}
+
+
 def compile_cache_dir(settings: CompileSettings, root: Path | None = None) -> Path:
     """``cache_root()/inductor/<key>``: one inductor cache per torch build, CPU instruction sets, threads, settings."""
-    options = asdict(settings)
-    key = {"torch": torch.__version__, "cpu": sorted(cpu_flags()), "threads": torch.get_num_threads(),
-           "settings": options}
+    key = compile_cache_key(settings)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return (root or cache_root()) / "inductor" / digest
 
@@ -113,6 +122,9 @@ def use_compile_cache(settings: CompileSettings) -> Path:
         return Path(current)
     folder = compile_cache_dir(settings)
     folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / KEY_FILE).exists():
+        with contextlib.suppress(OSError):
+            (folder / KEY_FILE).write_text(json.dumps(compile_cache_key(settings), sort_keys=True, default=str))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     os.environ["PPOW_TRL_INDUCTOR_CACHE_SET"] = "1"
     return folder

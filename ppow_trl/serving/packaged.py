@@ -104,6 +104,32 @@ def _graph_config(config: dict) -> dict:
             if key not in CONFIG_METADATA_KEYS}
 
 
+RUNTIME_SOURCES = (Path(__file__), Path(__file__).with_name("attention.py"))
+"""The runtime's own code a graph is traced from: this module's cache step and the attention."""
+BUILD_FILE = "build.json"
+"""Written in every package set when it is built (``write_build_info``): the code its graphs were traced from.
+``ppow_trl.caches`` calls a set stale when that code has changed since (no current key reaches it again)."""
+
+
+def code_versions() -> dict:
+    """The code a package's graphs are traced from, besides the weights: transformers and this runtime's step and
+    attention (the same inputs ``weights_digest`` hashes)."""
+    import transformers
+
+    source = hashlib.blake2b(digest_size=12)
+    for path in RUNTIME_SOURCES:
+        source.update(path.read_bytes())
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "runtime_code": source.hexdigest()}
+
+
+def write_build_info(package_set: Path) -> None:
+    """Record ``code_versions()`` in ``package_set`` (``BUILD_FILE``), once."""
+    path = Path(package_set) / BUILD_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(code_versions(), sort_keys=True))
+
+
 def weights_digest(model) -> str:
     """A hash of what a package embeds: every parameter and buffer (name, dtype, shape, bytes), the model's class and
     its config without ``CONFIG_METADATA_KEYS``. About a second for SmolLM2's 0.5 GB."""
@@ -112,7 +138,7 @@ def weights_digest(model) -> str:
     digest = hashlib.blake2b(digest_size=12)
     # the code a graph is traced from: transformers' model code, and this runtime's cache step and attention
     digest.update(transformers.__version__.encode())
-    for source in (Path(__file__), Path(__file__).with_name("attention.py")):
+    for source in RUNTIME_SOURCES:
         digest.update(source.read_bytes())
     digest.update(f"{type(model).__module__}.{type(model).__qualname__}".encode())
     config = getattr(model, "config", None)
