@@ -510,3 +510,10 @@ def test_a_cache_the_disk_cannot_hold_is_refused_before_any_forward(target, tiny
         data.build_teacher_forced(target, tiny_tokenizer, _conversations(), cache_dir=tmp_path / "new" / "folder")
     assert calls == []
     cache.check_disk(None, 10**15, "in memory")  # no cache: nothing to check
+
+
+def test_target_top1_ids_are_the_first_label_of_every_position(target, tiny_tokenizer):
+    labelled = data.build_teacher_forced(target, tiny_tokenizer, _conversations(), top_k=3)
+    expected = [ids[0] for rows in labelled["topk_ids"] for ids in rows]
+    assert data.target_top1_ids(labelled).tolist() == expected
+    assert data.target_top1_ids(labelled.select([])).numel() == 0

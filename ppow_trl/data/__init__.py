@@ -62,7 +62,7 @@ from .responses import (
     truncate_at_stop,
 )
 from .features import compute_target_features, feature_bytes
-from .topk import compute_target_topk, topk_labels
+from .topk import compute_target_topk, target_top1_ids, topk_labels
 from .teacher_forced import LABEL_PRECISIONS, answer_token_ids, build_teacher_forced
 
 __all__ = [
@@ -90,6 +90,7 @@ __all__ = [
     "LABEL_PRECISIONS",
     "answer_token_ids",
     "build_teacher_forced",
+    "target_top1_ids",
     "topk_labels",
     "main_process_first",
     "model_fingerprint",

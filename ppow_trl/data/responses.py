@@ -119,6 +119,10 @@ def build_target_responses(
     chat loses either its instruction or its generation prompt. The held-out/train separation is the
     loaders' (e.g. `load_sharegpt("train")` vs `"test"`): this function only labels what it is given.
 
+    Batches: each chunk's prompts are sorted by length before they are cut into batches (the output keeps that
+    order), so a batch pads little and large batches pay: on a 2-core AMD EPYC, one thread, batch 32 of
+    length-sorted prompts decoded ~3x the tokens per second of batch 8 (a decode step mostly reads the weights).
+
     Determinism: each chunk of `chunk_size` prompts is generated under its own seed derived from `seed`,
     so a resumed run equals an uninterrupted one. Sampled outputs depend on `seed`, `batch_size` and
     `chunk_size` (the random stream is shared within a batch); all three are part of the cache key.
@@ -194,6 +198,8 @@ def build_target_responses(
         chunk_size=chunk_size,
         seed=seed if do_sample else None,
         desc="Generating target responses",
+        # prompts of similar length share a batch: little of each decode step is left padding, so large batches pay
+        sort_key=lambda row: sum(len(message["content"]) for message in row["messages"]),
         unit="token",
         count=lambda out: sum(len(row["response_ids"]) for row in out),
     )

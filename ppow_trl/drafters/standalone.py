@@ -200,14 +200,9 @@ class StandaloneFamily(DrafterFamily):
         positions = mask.any(dim=0).nonzero().flatten()
         first, last = (int(positions[0]), int(positions[-1]) + 1) if positions.numel() else (0, 1)
         reduced = isinstance(unwrap_model(model), ReducedVocabHeadMixin)
-        attention_mask = inputs["attention_mask"]
-        if bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
-            # Right padding (the KD collator's): causal attention alone keeps every real token from the pads after
-            # it, and without a mask SDPA runs its fused causal kernels, forward and backward.
-            attention_mask = None
         forward_kwargs = {
             "input_ids": inputs["input_ids"],
-            "attention_mask": attention_mask,
+            "attention_mask": causal_only(inputs["attention_mask"]),
             "logits_to_keep": torch.arange(first, last, device=mask.device),
             "use_cache": False,
         }
@@ -233,6 +228,16 @@ class StandaloneFamily(DrafterFamily):
             configure_generation_config(drafter.generation_config, policy, vocab_size)
             return drafter
         return attach_window_policy(drafter, policy, vocab_size)
+
+
+def causal_only(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """``None`` for a right-padded batch (every row's ones before its zeros, the KD collator's), else the mask.
+
+    With right padding, causal attention alone keeps every real token from the pads (they all come after it), and
+    without a mask SDPA runs its fused causal kernels, forward and backward; the pads' own outputs are never read."""
+    if bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+        return None
+    return attention_mask
 
 
 def _saved_tokenizer(*models):
