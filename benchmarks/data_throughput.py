@@ -2,10 +2,12 @@
 
 Rows (every one ends with what ``KDTrainer`` reads: ``prompt_ids``, ``response_ids``, ``topk_ids``, ``topk_logprobs``):
 
-- ``regenerate_generate``: today's route before this benchmark: ``build_target_responses`` (transformers'
-  ``generate``, batch 8, greedy) then ``compute_target_topk`` (a second forward over prompt + response).
-- ``regenerate_single_pass``: the same ``generate`` with the labels read from its own logits
-  (``build_target_responses(label_top_k=32)``): no second pass; the greedy responses equal the first row's.
+- ``regenerate_generate``: the route before this benchmark: ``build_target_responses`` (transformers' ``generate``,
+  batches of 8 prompts in file order, greedy, fp32) then ``compute_target_topk`` (a second forward over prompt +
+  response).
+- ``regenerate_batched``: the same greedy ``generate`` on batches of 32 length-sorted prompts, the labels read from
+  its own logits (``build_target_responses(batch_size=32, label_top_k=32)``): no second pass, little padding; its
+  responses are compared with the first row's (same precision, fp32).
 - ``teacher_forced``: the dataset's own answers labelled in one forward per sequence (``build_teacher_forced``,
   fp32), EAGLE-1's route; ``teacher_forced_bf16``: the same under bf16 autocast (CPUs with avx512_bf16 / AMX).
 
@@ -38,26 +40,11 @@ import transformers
 from accelerate import PartialState
 from transformers import AutoTokenizer
 
-from ppow_trl.bench.report import cpu_name
 from ppow_trl.data import (build_target_responses, build_teacher_forced, compute_target_topk,
                            load_sharegpt, load_sharegpt_conversations)
 from ppow_trl.models import load_target
 from ppow_trl.offline import smollm2_path
-from ppow_trl.utils import save_json, set_cpu_threads
-
-
-def cpu_flags() -> dict:
-    """The CPU as every figure states it: model, AVX-512, AMX, avx512_bf16, cores."""
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return {"model": cpu_name(), "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
-            "amx": "amx_tile" in flags, "cores": os.cpu_count()}
+from ppow_trl.utils import cpu_summary, save_json, set_cpu_threads
 
 
 def timed(state, build):
@@ -78,11 +65,12 @@ def row(dataset, seconds: float, **extra) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=48, help="ShareGPT train prompts regenerated (each route).")
+    parser.add_argument("--prompts", type=int, default=64, help="ShareGPT train prompts regenerated (each route).")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="The main job's regenerated length.")
     parser.add_argument("--conversations", type=int, default=96, help="ShareGPT train conversations teacher-forced.")
     parser.add_argument("--max-response-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="Teacher-forced sequences per forward.")
+    parser.add_argument("--regeneration-batch", type=int, default=32)
     parser.add_argument("--out", default="benchmarks/results/data_throughput.json")
     args = parser.parse_args(argv)
 
@@ -103,25 +91,25 @@ def main(argv=None) -> dict:
 
         def two_passes():
             responses = build_target_responses(target, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
-                                               batch_size=args.batch_size, cache_dir=cache("responses"),
-                                               chunk_size=chunk)
-            return compute_target_topk(target, responses, top_k=32, batch_size=args.batch_size,
-                                       cache_dir=cache("topk"), chunk_size=chunk)
+                                               batch_size=8, cache_dir=cache("responses"), chunk_size=8,
+                                               sort_by_length=False)
+            return compute_target_topk(target, responses, top_k=32, batch_size=8, cache_dir=cache("topk"),
+                                       chunk_size=8)
 
         before, seconds = timed(state, two_passes)
-        rows["regenerate_generate"] = row(before, seconds, route="generate (batch 8), then a top-k forward")
+        rows["regenerate_generate"] = row(before, seconds, route="generate (batch 8, file order), then a top-k forward")
 
-        single, seconds = timed(state, lambda: build_target_responses(
-            target, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-            cache_dir=cache("single"), chunk_size=chunk, label_top_k=32))
-        same = sum(a == b for a, b in zip(before["response_ids"], single["response_ids"]))
-        top1 = [x[0] == y[0] for a, b in zip(before["topk_ids"], single["topk_ids"]) for x, y in zip(a, b)]
-        gap = max(abs(x[0] - y[0]) for a, b in zip(before["topk_logprobs"], single["topk_logprobs"])
-                  for x, y in zip(a, b))
-        rows["regenerate_single_pass"] = row(single, seconds, route="generate (batch 8) with labels from its logits",
-                                             responses_equal=f"{same}/{len(before)}",
-                                             top1_label_agreement=sum(top1) / max(len(top1), 1),
-                                             max_top1_logprob_difference=gap)
+        batched, seconds = timed(state, lambda: build_target_responses(
+            target, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.regeneration_batch,
+            cache_dir=cache("batched"), chunk_size=args.regeneration_batch, label_top_k=32))
+        by_id = dict(zip(before["id"], before["response_ids"]))
+        same = sum(by_id[i] == r for i, r in zip(batched["id"], batched["response_ids"]))
+        labels = dict(zip(before["id"], before["topk_ids"]))
+        top1 = [x[0] == y[0] for i, b in zip(batched["id"], batched["topk_ids"]) for x, y in zip(labels[i], b)]
+        rows["regenerate_batched"] = row(batched, seconds, route=f"generate (batch {args.regeneration_batch}, "
+                                         "length-sorted) with labels from its logits",
+                                         responses_equal_to_regenerate_generate=f"{same}/{len(before)}",
+                                         top1_label_agreement=sum(top1) / max(len(top1), 1))
 
         for name, precision in (("teacher_forced", "fp32"), ("teacher_forced_bf16", "bf16")):
             labelled, seconds = timed(state, lambda: build_teacher_forced(
@@ -141,10 +129,11 @@ def main(argv=None) -> dict:
     result = {
         "command": "accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml benchmarks/data_throughput.py"
         if state.num_processes > 1 else "python benchmarks/data_throughput.py " + " ".join(argv or sys.argv[1:]),
-        "cpu": cpu_flags(), "processes": state.num_processes, "threads_per_process": threads,
+        "cpu": cpu_summary(), "processes": state.num_processes, "threads_per_process": threads,
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "target": "SmolLM2-135M-Instruct (fp32 weights)", "regenerated_new_tokens": args.max_new_tokens,
         "teacher_forced_max_response_tokens": args.max_response_tokens, "batch_size": args.batch_size,
+        "regeneration_batch": args.regeneration_batch,
         "rows": rows,
     }
     if state.is_main_process:

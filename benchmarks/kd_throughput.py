@@ -38,7 +38,7 @@ from ppow_trl.drafters import standalone
 from ppow_trl.drafting import get_family
 from ppow_trl.models import build_draft_vocab, load_target
 from ppow_trl.offline import smollm2_path
-from ppow_trl.utils import bf16_matmuls_are_fast, cache_root, cpu_flags, cpu_name, set_cpu_threads
+from ppow_trl.utils import bf16_matmuls_are_fast, cache_root, cpu_summary, set_cpu_threads
 
 
 class StepClock(TrainerCallback):
@@ -127,9 +127,7 @@ def main(argv=None) -> dict:
             print(f"{family_name}: before {arms['before']['trained_tokens_per_second']:.0f}, after "
                   f"{arms['after']['trained_tokens_per_second']:.0f} trained tokens/s ({arms['speedup']:.2f}x); "
                   f"held-out KL {arms['before']['held_out_kl']:.3f} -> {arms['after']['held_out_kl']:.3f}", flush=True)
-    flags = cpu_flags()
-    kd = {"command": "python benchmarks/kd_throughput.py", "cpu": {"model": cpu_name(), "avx512f": "avx512f" in flags,
-          "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags}, "threads": threads,
+    kd = {"command": "python benchmarks/kd_throughput.py", "cpu": cpu_summary(), "threads": threads,
           "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
           "data": f"{len(train)} teacher-forced ShareGPT answers ({sum(map(len, train['response_ids'])):,} tokens), "
                   f"{len(held_out)} held out", **results}

@@ -190,6 +190,13 @@ def resolve_precision(precision: str) -> str:
     return precision
 
 
+def cpu_summary() -> dict:
+    """The CPU as every measured figure states it: model, cores, AVX-512, avx512_bf16, AMX."""
+    flags = cpu_flags()
+    return {"model": cpu_name(), "cores": os.cpu_count(), "avx512f": "avx512f" in flags,
+            "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags}
+
+
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows: stated with every measured figure."""
     import platform

@@ -306,10 +306,10 @@ def _named(field_name: str, value, build):
 
 def check_arguments(script_args: PPOWScriptArguments, training_args: PPOWConfig) -> None:
     """What no single dataclass can check alone, before any model loads."""
-    if script_args.train_data == "teacher_forced" and training_args.reward_source == "cache":
+    if script_args.train_data != "regenerated" and training_args.reward_source == "cache":
         raise ValueError("reward_source: cache reads greedy rewards from the training text, exact only when it is the "
-                         "target's own greedy text; teacher-forced answers are not: set reward_source: target (the "
-                         "target verifies each window) or train_data: regenerated.")
+                         f"target's own greedy text; train_data: {script_args.train_data} holds the dataset's answers: "
+                         "set reward_source: target (the target verifies each window) or train_data: regenerated.")
 
 
 def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args: ModelConfig):
@@ -511,12 +511,10 @@ def run_summary(script_args, training_args, train_data, policy, served: dict, se
     it to ``benchmarks/results/main_job.json``): the CPU, the wall-clock minutes from the start of ``main``, the
     training tokens, the served rule, and the served rule measured against plain decoding on the same runtime and
     precision (ratio of total times with its 95% bootstrap interval, tau, lossless prompts)."""
-    from ppow_trl.utils import cpu_flags, cpu_name
+    from ppow_trl.utils import cpu_summary
 
-    flags = cpu_flags()
     summary = {
-        "cpu": {"model": cpu_name(), "cores": os.cpu_count(), "avx512f": "avx512f" in flags,
-                "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags},
+        "cpu": cpu_summary(),
         "minutes": round((time.time() - started) / 60, 2),
         "config": {"train_data": script_args.train_data, "num_train_prompts": script_args.num_train_prompts,
                    "max_new_tokens": script_args.max_new_tokens, "max_answer_tokens": script_args.max_answer_tokens,

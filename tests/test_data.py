@@ -517,3 +517,18 @@ def test_target_top1_ids_are_the_first_label_of_every_position(target, tiny_toke
     expected = [ids[0] for rows in labelled["topk_ids"] for ids in rows]
     assert data.target_top1_ids(labelled).tolist() == expected
     assert data.target_top1_ids(labelled.select([])).numel() == 0
+
+
+def test_length_sorted_batches_come_back_in_input_order(tmp_path):
+    rows = Dataset.from_list([{"id": f"r{i}", "n": n} for i, n in enumerate((5, 1, 9, 3, 7, 2, 8))])
+    seen = []
+
+    def process(batch):
+        seen.append([row["n"] for row in batch])
+        return [dict(row, out=row["n"] * 10) for row in batch if row["n"] != 3]  # drops one row
+
+    features = Features({"id": Value("string"), "n": Value("int64"), "out": Value("int64")})
+    built = cache.build_sharded_dataset(rows, process, features=features, kind="t", settings={}, cache_dir=tmp_path,
+                                        batch_size=2, chunk_size=4, sort_key=lambda row: row["n"])
+    assert seen == [[1, 3], [5, 9], [2, 7], [8]]  # each chunk of 4 cut into batches in length order
+    assert built["id"] == ["r0", "r1", "r2", "r4", "r5", "r6"] and built["out"] == [50, 10, 90, 70, 20, 80]

@@ -329,3 +329,52 @@ def test_serving_calibration_prompts_leave_out_the_evaluated_and_trained_ones(tm
         ppow_llama.serving_calibration_prompts(script, training.seed, trained=trained)
     with pytest.raises(ValueError, match="num_serving_calibration_prompts must be >= 1"):
         ppow_llama.make_parser().parse_args_and_config(args=args + ["--num_serving_calibration_prompts", "0"])
+
+
+def test_teacher_forced_and_mixed_data_fail_fast_on_what_they_cannot_do(tmp_path):
+    parse = lambda *flags: ppow_llama.make_parser().parse_args_and_config(args=list(flags))  # noqa: E731
+    with pytest.raises(ValueError, match="train_prompts: sharegpt"):
+        parse("--train_data", "mixed", "--train_prompts", "mtbench")
+    with pytest.raises(ValueError, match="train_data must be one of"):
+        parse("--train_data", "fixed")
+    with pytest.raises(ValueError, match="regenerated_fraction"):
+        parse("--train_data", "mixed", "--regenerated_fraction", "1.0")
+    with pytest.raises(ValueError, match="precision"):
+        parse("--kd_precision", "fp16")
+    script, training, _ = parse("--config", str(RECIPES / "configs" / "offline_smollm2.yaml"),
+                                "--reward_source", "cache")
+    with pytest.raises(ValueError, match="reward_source: target"):  # cached greedy rewards need the target's own text
+        ppow_llama.check_arguments(script, training)
+    script, training, _ = parse("--config", str(RECIPES / "configs" / "offline_smollm2.yaml"))
+    ppow_llama.check_arguments(script, training)  # the shipped default is consistent
+
+
+def test_mixed_data_teacher_forces_the_first_prompts_and_regenerates_the_rest(tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from ppow_trl.data import load_sharegpt
+
+    target = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5, vocab_size=64)
+    tokenizer = make_tiny_tokenizer()
+    prompts = load_sharegpt("train", num_samples=10, seed=3, cache_dir=tmp_path / "sg")
+    # the tiny tokenizer knows only w-words: give every prompt and answer words it can encode
+    words = lambda i, n: " ".join(f"w{(i * 5 + j) % 56}" for j in range(n))  # noqa: E731
+    tiny = Dataset.from_list([{"id": row["id"], "messages": [{"role": "user", "content": words(i, 3)}],
+                               "answer": words(i + 1, 4)} for i, row in enumerate(prompts)])
+    monkeypatch.setattr(ppow_llama, "load_sharegpt_conversations", lambda *a, **k: tiny)
+    script, _, _ = ppow_llama.make_parser().parse_args_and_config(args=[
+        "--train_data", "mixed", "--num_train_prompts", "10", "--regenerated_fraction", "0.4",
+        "--calibration_fraction", "0.2", "--max_new_tokens", "5", "--max_answer_tokens", "3",
+        "--calibration_max_new_tokens", "4", "--regeneration_batch_size", "3", "--kd_steps", "1"])
+    train, calibration = ppow_llama.training_data(target, tokenizer, tiny.remove_columns("answer"), script, 0,
+                                                  tmp_path / "cache")
+    assert train["id"][:4] == tiny["id"][:4]  # teacher-forced: the first 10 - 4 - 2 prompts' answers
+    assert sorted(train["id"][4:]) == sorted(tiny["id"][4:8])  # then the target's answers to 4 prompts
+    assert sorted(calibration["id"]) == sorted(tiny["id"][8:])  # the last 2 held out, answered by the target
+    for row in train.select(range(4)):
+        assert row["response_ids"] == (tokenizer(row["messages"][0]["content"] and tiny[tiny["id"].index(row["id"])]
+                                                 ["answer"], add_special_tokens=False)["input_ids"])[:3]
+    for row in train.select(range(4, 8)):
+        assert len(row["topk_ids"]) == len(row["response_ids"]) <= 5
+        assert [ids[0] for ids in row["topk_ids"]] == row["response_ids"]  # greedy answers, labels aligned
+    assert all(len(r) <= 4 for r in calibration["response_ids"])

@@ -964,6 +964,8 @@ def trainer_throughput(results: Path):
                          [[m.get("arm", name), count(round(m["rss_before_train_mib"])),
                            count(round(m["peak_during_train_mib"])), count(round(m["peak_above_start_mib"]))]
                           for name, m in memory.items()])]
+    if data.get("kd"):
+        lines += kd_throughput_lines(data["kd"])
     lines += [
         "Reading: the shared-context path (`ppow_trl/training/window_logprobs.py`) computes the same log-probs and gradients "
         "(`tests/test_trainer_paths.py`) in less time and memory. What limits the ratio is the target's own forwards "
@@ -1389,6 +1391,87 @@ def round_costs(results: Path):
     return "Served round costs", lines
 
 
+def data_throughput(results: Path):
+    data = load(results / "data_throughput.json")
+    rows = data.get("rows") or {}
+    lines = [
+        "Training data per CPU-second (`benchmarks/data_throughput.py`): every route ends with the columns KD reads "
+        "(prompt, response, the target's top-32 at each response position), measured side by side in one run, each "
+        "on its own fresh cache folder split over the launched processes. Trained tokens per second: response tokens "
+        "labelled over the route's wall-clock, all processes together.", "",
+        *command_block(data.get("command")),
+        machine_text(cpu=data.get("cpu"), torch=data.get("torch"), transformers=data.get("transformers"),
+                     threads=data.get("threads_per_process"))
+        + f" {data.get('processes', '-')} processes; regenerated answers of {data.get('regenerated_new_tokens', '-')} "
+        f"tokens, teacher-forced answers cut at {data.get('teacher_forced_max_response_tokens', '-')}.", "",
+        *table(["route", "how", "sequences", "trained tokens", "seconds", "trained tokens / s",
+                "vs regenerate_generate", "checks"],
+               [[f"`{name}`", row.get("route", ""), count(row.get("sequences")), count(row.get("trained_tokens")),
+                 num(row.get("seconds"), 1), num(row.get("trained_tokens_per_second"), 1),
+                 num(row.get("vs_regenerate_generate"), 2, "x"),
+                 "; ".join(f"{key.replace('_', ' ')}: {num(value, 3) if isinstance(value, float) else value}"
+                           for key, value in row.items() if key.startswith(("responses_equal", "top1_")))]
+                for name, row in rows.items()]),
+    ]
+    return "Training data per CPU-second", lines
+
+
+MAIN_JOB_FILES = ("main_job.json", "main_job_teacher_forced_only.json")
+
+
+def main_job_runs(results: Path):
+    lines = [
+        "The main job as a new user runs it (`benchmarks/main_job.py`): the README's command on an empty cache "
+        "(conversion, data, compiling included), its own summary kept. Measured: the served rule against plain "
+        "decoding on the same runtime and precision, ratio of total times over the evaluation prompts [95% bootstrap "
+        "interval].", "",
+    ]
+    rows = []
+    for name in MAIN_JOB_FILES:
+        if not (results / name).is_file():
+            continue
+        data = load(results / name)
+        measured, lookup = data.get("measured") or {}, data.get("measured_with_prompt_lookup") or {}
+        config, rule = data.get("config") or {}, data.get("served_rule") or {}
+        rows.append([f"`{name}`", config.get("train_data", "-"), count(data.get("train_tokens")),
+                     num(data.get("minutes"), 1), f"K = {rule.get('max_window', '-')}, h = {num(rule.get('threshold'))}",
+                     with_ci(measured.get("speedup"), measured.get("ci95"), 3, "x"), num(measured.get("tau")),
+                     measured.get("lossless_prompts", "-"), count(measured.get("prompts")),
+                     with_ci(lookup.get("speedup"), lookup.get("ci95"), 3, "x")])
+        cpu = data.get("cpu")
+    lines += [machine_text(cpu=cpu, precision="fp32", runtime="compiled") + " Evaluation: MT-bench prompts, greedy, "
+              "64 new tokens.", "",
+              *table(["run", "data", "training tokens", "minutes", "served rule", "speedup vs compiled plain", "tau",
+                      "lossless", "prompts", "with prompt lookup"], rows)]
+    return "Main job, end to end", lines
+
+
+def kd_throughput_lines(kd: dict) -> list[str]:
+    """The KD part of trainer_throughput.json (``benchmarks/kd_throughput.py``)."""
+    lines = ["**KD, before and after** (`benchmarks/kd_throughput.py`): the same data, steps and seed in each arm; "
+             "before: fp32, random batches, the attention mask passed to SDPA; after: bf16 autocast where the CPU has "
+             "it, length-grouped batches, right-padded batches without a mask. " + (kd.get("data") or ""), "",
+             *command_block(kd.get("command")),
+             machine_text(cpu=kd.get("cpu"), torch=kd.get("torch"), transformers=kd.get("transformers"),
+                          threads=kd.get("threads")), ""]
+    rows = []
+    for family in ("standalone", "eagle3"):
+        arms = kd.get(family)
+        if not arms:
+            continue
+        for arm in ("before", "after"):
+            a = arms[arm]
+            curve = a.get("loss_curve") or []
+            rows.append([family, arm, "bf16" if a.get("bf16_autocast") else "fp32", a.get("sampling"), count(a.get("steps")),
+                         count(a.get("trained_tokens")), num(a.get("seconds"), 1),
+                         num(a.get("trained_tokens_per_second"), 0), num(curve[0] if curve else None, 3),
+                         num(curve[-1] if curve else None, 3), num(a.get("held_out_kl"), 3),
+                         num(a.get("held_out_top1"), 3)])
+        rows.append([family, "**ratio**", "", "", "", "", "", num(arms.get("speedup"), 2, "x"), "", "", "", ""])
+    return lines + table(["drafter", "arm", "matmuls", "batches", "steps", "trained tokens", "s in steps",
+                          "trained tokens / s", "first loss", "last loss", "held-out KL", "held-out top-1"], rows)
+
+
 SECTIONS = [
     ("The machine and its costs", thread_setting, ["threads.json"]),
     ("The machine and its costs", cost_model, ["cost_model.json"]),
@@ -1404,6 +1487,8 @@ SECTIONS = [
     ("Serving", llama_cpp_amx_build, ["llama_cpp_amx_build.json"]),
     ("Serving", dflash_block, ["dflash_block.json"]),
     ("Serving", gpu_check, ["gpu_cost_profile.json"]),
+    ("Training", data_throughput, ["data_throughput.json"]),
+    ("Training", main_job_runs, list(MAIN_JOB_FILES)),
     ("Training", trainer_throughput, ["trainer_throughput.json"]),
     ("Training", kd_warm_start, ["kd_warm_start.json"]),
     ("Training", eagle3_features, ["eagle3_features.json"]),

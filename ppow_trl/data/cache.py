@@ -280,7 +280,7 @@ def build_sharded_dataset(
     """Map `process_batch` over `inputs` chunk by chunk, saving each finished chunk; resume on restart.
 
     ``sort_key``: the rows of each chunk are sorted by it before they are cut into batches (rows of similar length
-    share a batch, so little of it is padding); the chunk's output keeps that order. ``count`` (with ``unit``, e.g.
+    share a batch, so little of it is padding); the output rows come back in input order. ``count`` (with ``unit``, e.g.
     ``"token"``): what one batch's output rows hold, shown with its rate next to the progress bar (tokens/s).
 
     Rows are cut into chunks of `chunk_size` and each chunk into batches of `batch_size`; `process_batch`
@@ -345,6 +345,9 @@ def _wait_for_everyone() -> None:
     _state().wait_for_everyone()
 
 
+_ORDER = "__ppow_row_order__"  # a row's place in its chunk while the chunk is processed in length order
+
+
 def _chunk_dataset(inputs, process_batch, features, chunk_index: int, chunk_size: int, batch_size: int, seed,
                    desc: str, sort_key=None, unit: str | None = None, count=None) -> Dataset:
     """``process_batch`` over one chunk of ``inputs``, under the chunk's own seed, as a dataset."""
@@ -353,7 +356,9 @@ def _chunk_dataset(inputs, process_batch, features, chunk_index: int, chunk_size
     label = f"{desc} (chunk {chunk_index + 1}/{math.ceil(len(inputs) / chunk_size)}" + (
         f", rank {rank})" if world > 1 else ")")
     rows = inputs.select(range(start, stop)).to_list()
-    if sort_key is not None:
+    if sort_key is not None:  # batch by length, then give the rows back in input order (process_batch may drop some)
+        for position, row in enumerate(rows):
+            row[_ORDER] = position
         rows.sort(key=sort_key)
     outputs, done = [], 0
     with _seeded(None if seed is None else _chunk_seed(seed, chunk_index)), \
@@ -366,6 +371,10 @@ def _chunk_dataset(inputs, process_batch, features, chunk_index: int, chunk_size
                 done += count(out)
                 elapsed = progress.format_dict["elapsed"] or float("nan")
                 progress.set_postfix_str(f"{done:,} {unit or 'item'}s, {done / elapsed:,.0f} {unit or 'item'}s/s")
+    if sort_key is not None:
+        outputs.sort(key=lambda row: row.get(_ORDER, 0))
+        for row in outputs:
+            row.pop(_ORDER, None)
     return _dataset_from_rows(outputs, features)
 
 

@@ -107,6 +107,7 @@ def build_target_responses(
     cache_dir: str | Path | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     label_top_k: int | None = None,
+    sort_by_length: bool = True,
 ) -> Dataset:
     """Regenerate the responses to `prompts` with the target, the data a drafter should learn from.
 
@@ -119,8 +120,8 @@ def build_target_responses(
     chat loses either its instruction or its generation prompt. The held-out/train separation is the
     loaders' (e.g. `load_sharegpt("train")` vs `"test"`): this function only labels what it is given.
 
-    Batches: each chunk's prompts are sorted by length before they are cut into batches (the output keeps that
-    order), so a batch pads little and large batches pay: on a 2-core AMD EPYC, one thread, batch 32 of
+    Batches: each chunk's prompts are sorted by length before they are cut into batches (the rows come back in
+    input order), so a batch pads little and large batches pay: on a 2-core AMD EPYC, one thread, batch 32 of
     length-sorted prompts decoded ~3x the tokens per second of batch 8 (a decode step mostly reads the weights).
 
     Determinism: each chunk of `chunk_size` prompts is generated under its own seed derived from `seed`,
@@ -139,6 +140,7 @@ def build_target_responses(
         cache_dir: root of the resumable cache (see `build_sharded_dataset`); None keeps everything in memory.
         label_top_k: also add `topk_ids` / `topk_logprobs` (the columns `compute_target_topk` adds) from the
             generation's own logits; None (default) adds no labels.
+        sort_by_length: batch prompts of similar length together (default); False keeps each chunk in input order.
 
     Returns:
         The prompt rows plus `prompt_ids` and `response_ids` (lists of int32 token ids), and the top-k columns with
@@ -199,7 +201,7 @@ def build_target_responses(
         seed=seed if do_sample else None,
         desc="Generating target responses",
         # prompts of similar length share a batch: little of each decode step is left padding, so large batches pay
-        sort_key=lambda row: sum(len(message["content"]) for message in row["messages"]),
+        sort_key=(lambda row: sum(len(message["content"]) for message in row["messages"])) if sort_by_length else None,
         unit="token",
         count=lambda out: sum(len(row["response_ids"]) for row in out),
     )

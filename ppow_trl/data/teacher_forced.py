@@ -84,7 +84,7 @@ def build_teacher_forced(
     prompt, `encode_prompt`) and its ``answer`` the ``response_ids`` (`answer_token_ids`: the answer's tokens and the
     turn's end token, at most ``max_response_tokens``). Rows with an empty answer, or a prompt longer than
     ``max_prompt_length`` tokens, are dropped. Inside a batch, rows of similar length are grouped (each chunk is
-    sorted by length before it is cut into batches), so little of a forward is padding; the output keeps that order.
+    sorted by length before it is cut into batches), so little of a forward is padding; rows come back in input order.
 
     Args:
         target: the target causal LM (accepts ``logits_to_keep``; left in the mode it came in).
