@@ -66,9 +66,11 @@ TOP_LEVEL_NAMES = [
 
 # What stands at the top of ppow_trl/: the package's face, the modules every subpackage shares (the family registry,
 # the target features, the reduced-vocabulary drafter model, batching, models, utilities), the demo, and the
-# subpackages. A new module goes into a subpackage; adding one here is a decision about the layout.
+# subpackages. A new module goes into a subpackage; adding one here is a decision about the layout. `caches` (the
+# `python -m ppow_trl.caches` command) reads the cache layouts of data/ and serving/, so it stands above both, like demo.
 TOP_LEVEL_MODULES = {
-    "__init__", "_compat", "_moved", "batching", "build_once", "demo", "drafter", "drafting", "features", "models",
+    "__init__", "_compat", "_moved", "batching", "build_once", "caches", "demo", "drafter", "drafting", "features",
+    "models",
     "offline", "padding", "utils",
     "bench", "data", "drafters", "interop", "metrics", "serving", "study", "training",
 }

@@ -349,18 +349,22 @@ def test_teacher_forced_and_mixed_data_fail_fast_on_what_they_cannot_do(tmp_path
     ppow_llama.check_arguments(script, training)  # the shipped default is consistent
 
 
-def test_mixed_data_teacher_forces_the_first_prompts_and_regenerates_the_rest(tmp_path, monkeypatch):
-    from datasets import Dataset
+def test_split_by_prompt_length_gives_the_shortest_prompts_to_the_target():
+    lengths = [50, 10, 40, 20, 90, 30, 80, 60, 70, 15]
+    answered, held, forced = ppow_llama.split_by_prompt_length(lengths, regenerated=5, calibration=2)
+    assert sorted(answered + held) == [1, 2, 3, 5, 9]  # the 5 shortest: 10, 40, 20, 30, 15
+    assert len(held) == 2 and forced == [0, 4, 6, 7, 8]
+    assert sorted(answered + held + forced) == list(range(10))
 
-    from ppow_trl.data import load_sharegpt
+
+def test_mixed_data_teacher_forces_the_long_prompts_and_regenerates_the_short(tmp_path, monkeypatch):
+    from datasets import Dataset
 
     target = make_tiny_llama(num_layers=2, seed=0, initializer_range=0.5, vocab_size=64)
     tokenizer = make_tiny_tokenizer()
-    prompts = load_sharegpt("train", num_samples=10, seed=3, cache_dir=tmp_path / "sg")
-    # the tiny tokenizer knows only w-words: give every prompt and answer words it can encode
     words = lambda i, n: " ".join(f"w{(i * 5 + j) % 56}" for j in range(n))  # noqa: E731
-    tiny = Dataset.from_list([{"id": row["id"], "messages": [{"role": "user", "content": words(i, 3)}],
-                               "answer": words(i + 1, 4)} for i, row in enumerate(prompts)])
+    tiny = Dataset.from_list([{"id": f"c{i}", "messages": [{"role": "user", "content": words(i, 1 + i)}],
+                               "answer": words(i + 1, 4)} for i in range(10)])  # prompt i holds i + 1 words
     monkeypatch.setattr(ppow_llama, "load_sharegpt_conversations", lambda *a, **k: tiny)
     script, _, _ = ppow_llama.make_parser().parse_args_and_config(args=[
         "--train_data", "mixed", "--num_train_prompts", "10", "--regenerated_fraction", "0.4",
@@ -368,13 +372,15 @@ def test_mixed_data_teacher_forces_the_first_prompts_and_regenerates_the_rest(tm
         "--calibration_max_new_tokens", "4", "--regeneration_batch_size", "3", "--kd_steps", "1"])
     train, calibration = ppow_llama.training_data(target, tokenizer, tiny.remove_columns("answer"), script, 0,
                                                   tmp_path / "cache")
-    assert train["id"][:4] == tiny["id"][:4]  # teacher-forced: the first 10 - 4 - 2 prompts' answers
-    assert sorted(train["id"][4:]) == sorted(tiny["id"][4:8])  # then the target's answers to 4 prompts
-    assert sorted(calibration["id"]) == sorted(tiny["id"][8:])  # the last 2 held out, answered by the target
-    for row in train.select(range(4)):
-        assert row["response_ids"] == (tokenizer(row["messages"][0]["content"] and tiny[tiny["id"].index(row["id"])]
-                                                 ["answer"], add_special_tokens=False)["input_ids"])[:3]
-    for row in train.select(range(4, 8)):
+    answers = dict(zip(tiny["id"], tiny["answer"]))
+    forced = [row for row in train if row["id"] in {f"c{i}" for i in range(6, 10)}]
+    assert len(forced) == 4  # the 4 longest prompts: their dataset answers, cut to 3 tokens
+    for row in forced:
+        assert row["response_ids"] == tokenizer(answers[row["id"]], add_special_tokens=False)["input_ids"][:3]
+    answered = [row for row in train if row not in forced]
+    assert sorted([row["id"] for row in answered] + list(calibration["id"])) == [f"c{i}" for i in range(6)]
+    assert len(calibration) == 2 and len(answered) == 4
+    for row in answered:  # the target's greedy answers, labels aligned with them
         assert len(row["topk_ids"]) == len(row["response_ids"]) <= 5
-        assert [ids[0] for ids in row["topk_ids"]] == row["response_ids"]  # greedy answers, labels aligned
+        assert [ids[0] for ids in row["topk_ids"]] == row["response_ids"]
     assert all(len(r) <= 4 for r in calibration["response_ids"])
