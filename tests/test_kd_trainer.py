@@ -428,3 +428,4 @@ def test_group_by_length_batches_sequences_of_similar_length(setup, tmp_path):
     assert "length" not in shuffled.train_dataset.column_names
     # grouped: every batch pads to about its own longest sequence, so fewer positions than a random draw's
     assert padded < sum(batch["input_ids"].numel() for batch in shuffled.get_train_dataloader())
+    assert _evaluate(trainer, setup["topk"])[0] > 0  # evaluation batches by length too (its rows get lengths)

@@ -591,6 +591,12 @@ class KDTrainer(Trainer):
         self._vocab_maps_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.trained_positions = 0  # response positions the loss has seen in training (the study's budget)
 
+    def get_eval_dataloader(self, eval_dataset=None):
+        # an evaluated dataset needs the length column too: transformers batches it by length under group_by_length
+        if eval_dataset is None or not isinstance(eval_dataset, str):
+            eval_dataset = with_lengths(eval_dataset if eval_dataset is not None else self.eval_dataset, self.args)
+        return super().get_eval_dataloader(eval_dataset)
+
     def _set_signature_columns_if_needed(self):
         # The collator, not the model, reads the dataset: keep its columns even with remove_unused_columns=True.
         if self._signature_columns is None:
