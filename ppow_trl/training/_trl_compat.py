@@ -134,6 +134,8 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "Trainer._set_signature_columns_if_needed": ("self",),
     # KDTrainer (public): the KD loss, token-weighted with num_items_in_batch like transformers' own loss
     "Trainer.compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
+    # KDTrainer: the evaluated dataset gets the length column that group_by_length batching reads
+    "Trainer.get_eval_dataloader": ("self", "eval_dataset"),
     # KDTrainer (public): adds its averaged kd/* metrics to each log
     "Trainer.log": ("self", "logs", "start_time"),
     # KDTrainer (public): eval_loss where the rows carry the teacher's top-k, plus eval_tau (KDConfig.eval_tau_window)
