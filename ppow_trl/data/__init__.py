@@ -62,7 +62,8 @@ from .responses import (
     truncate_at_stop,
 )
 from .features import compute_target_features, feature_bytes
-from .topk import compute_target_topk, target_top1_ids, topk_labels
+from .topk import compute_target_topk, target_top1_ids
+from .responses import topk_labels  # noqa: E402  (the labels every builder reads from logits)
 from .teacher_forced import LABEL_PRECISIONS, answer_token_ids, build_teacher_forced
 
 __all__ = [

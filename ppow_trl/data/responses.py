@@ -60,6 +60,14 @@ def truncate_at_stop(token_ids: Sequence[int], stop_ids: Sequence[int]) -> list[
     return list(token_ids)
 
 
+def topk_labels(logits: torch.Tensor, top_k: int) -> tuple[list, list]:
+    """``(ids, logprobs)`` lists of the ``top_k`` most likely tokens of each row of ``logits`` (float32
+    log-softmax over the full vocabulary, temperature 1): the KD teacher signal (``compute_target_topk``'s)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+    return ids.tolist(), values.tolist()
+
+
 @contextlib.contextmanager
 def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
     """Dropout off while the target labels data, then restore the caller's mode."""
@@ -167,8 +175,6 @@ def build_target_responses(
         for index, (row, new_tokens) in enumerate(zip(rows, sequences[:, input_ids.shape[1] :].tolist())):
             row["response_ids"] = truncate_at_stop(new_tokens, stop_ids)
             if label_top_k:  # step t's logits predict response token t
-                from .topk import topk_labels  # topk.py imports this module
-
                 steps = torch.stack([logits[index] for logits in output.logits[: len(row["response_ids"])]])
                 row["topk_ids"], row["topk_logprobs"] = topk_labels(steps, label_top_k)
         return rows

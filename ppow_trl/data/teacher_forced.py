@@ -24,8 +24,7 @@ from datasets import Dataset, Features, Value
 
 from .cache import (DEFAULT_CHUNK_SIZE, build_sharded_dataset, check_disk, dataset_fingerprint, model_fingerprint,
                     tokenizer_fingerprint)
-from .responses import TOKEN_IDS_FEATURE, _eval_mode, encode_prompt, pad_sequences, stop_token_ids
-from .topk import topk_labels
+from .responses import TOKEN_IDS_FEATURE, _eval_mode, encode_prompt, pad_sequences, stop_token_ids, topk_labels
 
 # The dtypes the target's forward may run its matmuls in while it labels (``autocast``); the log-softmax and top-k
 # are always float32.

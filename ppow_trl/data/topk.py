@@ -15,15 +15,7 @@ import torch
 from datasets import Dataset, Features, Value
 
 from .cache import DEFAULT_CHUNK_SIZE, build_sharded_dataset, dataset_fingerprint, model_fingerprint
-from .responses import _eval_mode, pad_sequences
-
-
-def topk_labels(logits: torch.Tensor, top_k: int) -> tuple[list, list]:
-    """``(ids, logprobs)`` lists of the ``top_k`` most likely tokens of each row of ``logits`` (float32
-    log-softmax over the full vocabulary, temperature 1): the KD teacher signal (``compute_target_topk``'s)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
-    return ids.tolist(), values.tolist()
+from .responses import _eval_mode, pad_sequences, topk_labels
 
 
 def target_top1_ids(dataset: Dataset) -> torch.Tensor:
