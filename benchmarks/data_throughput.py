@@ -7,7 +7,9 @@ Rows (every one ends with what ``KDTrainer`` reads: ``prompt_ids``, ``response_i
   response).
 - ``regenerate_batched``: the same greedy ``generate`` on batches of 32 length-sorted prompts, the labels read from
   its own logits (``build_target_responses(batch_size=32, label_top_k=32)``): no second pass, little padding; its
-  responses are compared with the first row's (same precision, fp32).
+  responses are compared with the first row's (same precision, fp32). ``regenerate_batched_bf16``: the same decoded by
+  a bf16 copy of the target (``precision="bf16"``, batches of ``--regeneration-batch-bf16``): the bf16 model's greedy
+  text, so its agreement with the fp32 answers (identical answers, mean first differing position) is reported.
 - ``teacher_forced``: the dataset's own answers labelled in one forward per sequence (``build_teacher_forced``,
   fp32), EAGLE-1's route; ``teacher_forced_bf16``: the same under bf16 autocast (CPUs with avx512_bf16 / AMX).
 
@@ -63,6 +65,14 @@ def row(dataset, seconds: float, **extra) -> dict:
             "seconds": seconds, "trained_tokens_per_second": tokens / seconds, **extra}
 
 
+def first_difference(reference: list[list[int]], other: list[list[int]]) -> float:
+    """Mean position of the first token where two answers to the same prompt differ (the shorter length if one is
+    a prefix of the other)."""
+    positions = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                 for a, b in zip(reference, other)]
+    return sum(positions) / max(len(positions), 1)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64, help="ShareGPT train prompts regenerated (each route).")
@@ -71,6 +81,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-response-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8, help="Teacher-forced sequences per forward.")
     parser.add_argument("--regeneration-batch", type=int, default=32)
+    parser.add_argument("--regeneration-batch-bf16", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/data_throughput.json")
     args = parser.parse_args(argv)
 
@@ -111,6 +122,17 @@ def main(argv=None) -> dict:
                                          responses_equal_to_regenerate_generate=f"{same}/{len(before)}",
                                          top1_label_agreement=sum(top1) / max(len(top1), 1))
 
+        bf16_batch = args.regeneration_batch_bf16
+        halved, seconds = timed(state, lambda: build_target_responses(
+            target, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=bf16_batch,
+            cache_dir=cache("batched_bf16"), chunk_size=bf16_batch, label_top_k=32, precision="bf16"))
+        same = sum(by_id[i] == r for i, r in zip(halved["id"], halved["response_ids"]))
+        rows["regenerate_batched_bf16"] = row(halved, seconds, route=f"generate by a bf16 copy (batch {bf16_batch}, "
+                                              "length-sorted) with labels from its logits",
+                                              responses_equal_to_regenerate_generate=f"{same}/{len(before)}",
+                                              mean_first_difference=first_difference(
+                                                  [by_id[i] for i in halved["id"]], halved["response_ids"]))
+
         for name, precision in (("teacher_forced", "fp32"), ("teacher_forced_bf16", "bf16")):
             labelled, seconds = timed(state, lambda: build_teacher_forced(
                 target, tokenizer, conversations, max_response_tokens=args.max_response_tokens,
@@ -133,7 +155,7 @@ def main(argv=None) -> dict:
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "target": "SmolLM2-135M-Instruct (fp32 weights)", "regenerated_new_tokens": args.max_new_tokens,
         "teacher_forced_max_response_tokens": args.max_response_tokens, "batch_size": args.batch_size,
-        "regeneration_batch": args.regeneration_batch,
+        "regeneration_batch": args.regeneration_batch, "regeneration_batch_bf16": args.regeneration_batch_bf16,
         "rows": rows,
     }
     if state.is_main_process:

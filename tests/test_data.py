@@ -433,6 +433,26 @@ def test_labels_from_generates_own_logits_equal_a_second_forward(target, tiny_to
         assert [candidates[0] for candidates in row["topk_ids"]] == row["response_ids"]  # greedy: aligned
 
 
+
+def test_bf16_regeneration_decodes_with_a_bf16_copy_and_leaves_the_target_alone(target, tiny_tokenizer, tmp_path):
+    """``precision="bf16"``: the answers are a bf16 copy's greedy text with its own labels (aligned with its text),
+    cached apart from the float32 ones; the target keeps its float32 weights."""
+    kwargs = dict(max_new_tokens=6, batch_size=4, label_top_k=5, cache_dir=tmp_path)
+    fp32 = build_target_responses(target, tiny_tokenizer, _tiny_prompts(), **kwargs)
+    bf16 = build_target_responses(target, tiny_tokenizer, _tiny_prompts(), precision="bf16", **kwargs)
+    assert next(target.parameters()).dtype == torch.float32
+    copy = target.to(torch.bfloat16)
+    try:
+        for row in bf16:
+            assert row["response_ids"] == _greedy_single(copy, tiny_tokenizer, row["messages"], 6)
+            assert [candidates[0] for candidates in row["topk_ids"]] == row["response_ids"]
+    finally:
+        target.float()
+    assert len(list(tmp_path.glob("responses-*"))) == 2  # one cache per precision: neither reads the other's
+    assert len(bf16) == len(fp32)
+    with pytest.raises(ValueError, match="precision"):
+        build_target_responses(target, tiny_tokenizer, _tiny_prompts(), precision="fp16")
+
 def _conversations() -> Dataset:
     rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": " ".join(f"w{(i * 5 + j) % 56}"
                                                                            for j in range(1 + i % 4))}],
