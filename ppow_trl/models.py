@@ -83,8 +83,7 @@ def load_target(
       (`local_process_index()`), quantized or not, so each process of a multi-GPU launch holds its own
       copy on its own GPU; a 4-bit target computes in that dtype.
     - **CPU**: nothing is added: the checkpoint's dtype (`"auto"`; fp32 for the offline SmolLM2), on CPU,
-      and a 4-bit target computes in float32 (bf16 matmuls were very slow on the development CPUs, see
-      OFFLINE.md).
+      and a 4-bit target computes in float32 (bf16 matmuls were very slow on the development CPUs).
 
     Args:
         name_or_path: a Hub id, a local folder, a `.gguf` file, or `OFFLINE_TARGET` for the offline

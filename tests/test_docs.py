@@ -96,3 +96,120 @@ def test_every_module_is_in_the_package_layout_page():
             continue
         missing.append(str(relative))
     assert not missing, f"modules missing from docs/architecture.md: {missing}"
+
+
+# Names and paths the docs cite: every dotted `ppow_trl.` name and every repository path in README.md, docs/ (design
+# notes included) and the docstrings and comments of ppow_trl/ and recipes/ resolves, so a moved module or a renamed
+# file fails here, and so does a citation of a design document the repository does not hold.
+REPOSITORY_DIRS = ("benchmarks", "docs", "notebooks", "ppow_trl", "recipes", "requirements", "tests", "tools", ".ci")
+REPOSITORY_PATH = re.compile(r"(?<![\w./~<>-])((?:%s)/[\w./*-]*[\w*])" % "|".join(map(re.escape, REPOSITORY_DIRS)))
+DOTTED_NAME = re.compile(r"(?<![\w./])ppow_trl(?:\.[A-Za-z_]\w*)+")
+DESIGN_DOC = re.compile(r"(?<![\w.-])[A-Z][A-Z0-9_-]*\.md\b")  # README.md, CHANGELOG.md, ... (PPOW.md is not ours)
+SECTION_CITATION = re.compile(r"\bdocs/([\w/-]+\.md),? \"([^\"]+)\"")  # docs/ppow.md "Evaluation protocol"
+# Where the old module paths are the subject (they still import, with a FutureWarning naming the new one).
+OLD_NAMES_ALLOWED = {"ppow_trl/_moved.py", "docs/architecture.md", "docs/changelog.md"}
+# Files a documented command writes, named before any run has written them.
+NOT_WRITTEN_YET = {"benchmarks/results/gpu_cost_profile.json"}  # benchmarks/gpu_check.py, on a GPU
+
+
+def _cited_texts():
+    """(relative path, text) of every page, and of the docstrings and comments of each file of ppow_trl/ and recipes/."""
+    import ast
+    import io
+    import tokenize
+
+    for page in PAGES:
+        yield page.relative_to(ROOT).as_posix(), page.read_text()
+    for source in sorted([*(ROOT / "ppow_trl").rglob("*.py"), *(ROOT / "recipes").rglob("*.py")]):
+        tree = ast.parse(source.read_text())
+        docstrings = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                docstrings.append(ast.get_docstring(node, clean=False) or "")
+            body = getattr(node, "body", None)
+            if isinstance(body, list):  # attribute docstrings: a string right after an assignment
+                docstrings += [after.value.value for before, after in zip(body, body[1:])
+                               if isinstance(before, (ast.Assign, ast.AnnAssign)) and isinstance(after, ast.Expr)
+                               and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)]
+        comments = [token.string for token in tokenize.generate_tokens(io.StringIO(source.read_text()).readline)
+                    if token.type == tokenize.COMMENT]
+        yield source.relative_to(ROOT).as_posix(), "\n".join(docstrings + comments)
+
+
+def _unresolved_name(name: str, old_names_allowed: bool) -> str | None:
+    """Why ``name`` (``ppow_trl.a.b.C.d``) does not resolve, or None: the longest importable module, then attributes."""
+    import importlib
+    import warnings
+
+    from ppow_trl._moved import new_name
+
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:end])
+        moved = new_name(module_name)
+        if moved is not None:
+            if old_names_allowed:
+                module_name = moved
+            else:
+                return f"an old path: say {moved}{name[len('.'.join(parts[:end])):]}"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name and (module_name == error.name or module_name.startswith(error.name + ".")):
+                continue
+            raise
+        for attribute in parts[end:]:
+            if not hasattr(obj, attribute):
+                return f"{'.'.join(parts[:end])} has no {attribute!r}"
+            obj = getattr(obj, attribute)
+        return None
+    return "no such module"
+
+
+def _path_exists(path: str) -> bool:
+    path = path.rstrip("/.")
+    if path in NOT_WRITTEN_YET:
+        return True
+    if "*" in path:
+        return any(ROOT.glob(path))
+    return (ROOT / path).exists() or any(ROOT.glob(path + ".*"))  # an output prefix: `--output .../bench_smollm2`
+
+
+def _headings(page: Path) -> set[str]:
+    return {line.lstrip("#").strip().lower() for line in page.read_text().splitlines() if line.startswith("#")}
+
+
+def test_every_cited_name_and_path_resolves():
+    repository_files = {path.name for path in ROOT.rglob("*.md") if ".git" not in path.parts}
+    wrong = []
+    for where, text in _cited_texts():
+        for name in sorted(set(DOTTED_NAME.findall(text))):
+            reason = _unresolved_name(name, where in OLD_NAMES_ALLOWED)
+            if reason:
+                wrong.append(f"{where}: `{name}` ({reason})")
+        for path in sorted(set(REPOSITORY_PATH.findall(text))):
+            if not _path_exists(path):
+                wrong.append(f"{where}: `{path}` (no such file or folder in the repository)")
+        for doc in sorted(set(DESIGN_DOC.findall(text)) - repository_files):
+            wrong.append(f"{where}: `{doc}` (not in the repository: cite a page under docs/)")
+        for page, section in SECTION_CITATION.findall(text):
+            if not (ROOT / "docs" / page).exists():
+                wrong.append(f"{where}: docs/{page} (no such page)")
+            elif section.lower() not in _headings(ROOT / "docs" / page):
+                wrong.append(f"{where}: docs/{page} has no section {section!r}")
+    assert not wrong, "names or paths that do not resolve:\n" + "\n".join(wrong)
+
+
+def test_the_resolution_check_catches_what_it_should():
+    assert _unresolved_name("ppow_trl.serving.calibration.calibrate_policy", False) is None
+    assert "has no" in _unresolved_name("ppow_trl.serving.calibration.calibrate_window", False)
+    assert "old path" in _unresolved_name("ppow_trl.window_logprobs", False)
+    assert _unresolved_name("ppow_trl.window_logprobs", True) is None
+    assert "no_such_module" in _unresolved_name("ppow_trl.no_such_module", False)
+    assert REPOSITORY_PATH.findall("see `ppow_trl/compiled.py`, not ~/.cache/ppow_trl/inductor/x") == [
+        "ppow_trl/compiled.py"]
+    assert not _path_exists("ppow_trl/compiled.py") and _path_exists("recipes/configs/llama3_8b_4bit.yaml")
+    assert DESIGN_DOC.findall("(design/PPOW.md \"Setting\"), see README.md") == ["PPOW.md", "README.md"]
+    assert SECTION_CITATION.findall('(docs/ppow.md "Evaluation protocol")') == [("ppow.md", "Evaluation protocol")]

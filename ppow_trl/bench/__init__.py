@@ -1,4 +1,4 @@
-"""Benchmark of the evaluation protocol (design/PPOW.md): speculative decoding methods vs the target alone.
+"""Benchmark of the evaluation protocol (docs/ppow.md): speculative decoding methods vs the target alone.
 
     python -m ppow_trl.bench --drafter-layers 2 --num-prompts 8 --max-new-tokens 64 --modes greedy \
         --methods target hf_assisted fast_fixed fast_adaptive --output benchmarks/results/bench_smollm2

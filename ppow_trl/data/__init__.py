@@ -5,7 +5,7 @@ Five modules, each read top to bottom:
 - `prompts.py`: the prompt loaders (`load_sharegpt`, `load_mtbench`, `load_prompts_jsonl`, `load_prompts`),
   one schema: `id` (string) and `messages` (a chat ending with a user turn), plus source-specific columns.
 - `responses.py`: `build_target_responses` regenerates the responses with the target itself, as EAGLE,
-  SpecForge and speculators do: a drafter must learn what *the target* writes (design/PPOW.md "Setting").
+  SpecForge and speculators do: a drafter must learn what *the target* writes (docs/ppow.md "Setting").
 - `topk.py`: `compute_target_topk` stores the target's top-k next-token log-probabilities along each
   response, the teacher signal for token-level distillation without keeping the target in memory.
 - `teacher_forced.py`: `build_teacher_forced` labels a dataset's own answers (`load_sharegpt_conversations`) with

@@ -200,7 +200,7 @@ def mtbench_question_path() -> Path:
 def load_mtbench(num_samples: int | None = None) -> Dataset:
     """MT-bench's 80 questions (8 categories x 10; Apache-2.0) with their first turn as the user message.
 
-    Only the first turn is used: the evaluation protocol measures one response per prompt (design/PPOW.md).
+    Only the first turn is used: the evaluation protocol measures one response per prompt (docs/ppow.md).
     `num_samples` keeps the first questions in file order (which is grouped by category).
 
     Returns:

@@ -6,7 +6,7 @@ second pass to label them (`compute_target_topk`); here the answer is fixed text
 teacher-forced forward over ``prompt + answer`` gives every label at once: at response position ``t`` the target's
 top-k of ``p(. | prompt, answer_<t)``. The drafter still learns *the target's* distribution at every position (its
 labels are the target's); what differs from regenerated data is the text it is conditioned on, which another model
-wrote. Which of the two buys more acceptance per CPU-hour is measured in ``benchmarks/data_routes.py``.
+wrote. What each costs is measured by ``benchmarks/data_throughput.py``, what each buys by the main job's runs.
 
 The rows have the columns of ``build_target_responses`` + ``compute_target_topk`` (``prompt_ids``, ``response_ids``,
 ``topk_ids``, ``topk_logprobs``), so ``KDTrainer`` and ``PPOWTrainer`` take them as they are. Results go through the

@@ -5,7 +5,7 @@ the running product of its confidences; one target forward scores the window (pl
 position); the core verification functions decide what is kept; both models keep their KV caches
 across rounds and are cropped after a rejection.
 
-Counting conventions (stated wherever tau is printed, see PPOW.md "Evaluation protocol"):
+Counting conventions (stated wherever tau is printed, see docs/ppow.md "Evaluation protocol"):
 
 - The target is prefilled with the prompt minus its last token (no logits are needed there). Every
   round then runs exactly one target forward over ``[last committed token] + window``, which gives

@@ -192,12 +192,12 @@ def reached_positions(prefix: torch.Tensor, window_mask: torch.Tensor) -> torch.
 
 def window_rewards(verified: VerifiedWindows, cost_model: CostModel | None, *, proximity_divergence: str = "tv",
                    proximity_weight: float = 1.0, proximity_positions: str = "window") -> dict[str, torch.Tensor]:
-    """The reward terms of PPOW.md for verified windows.
+    """The reward terms of docs/ppow.md for verified windows.
 
     Returns ``accepted`` (E[A|y], or A when greedy), ``prefix`` (P(A >= k)), ``lengths`` (L), ``speed``
     (``R_speed = S(y)`` with ``cost_model``, else ``E[A|y] + 1``), ``proximity`` (``R_prox = (1/L) sum_i w_i r_i``) and
     ``credit`` (the per-position credit ``C_k`` of ``ppow_trl.serving.credit``, 0 past L). ``proximity_positions``: ``"window"``
-    (``w_i = 1`` on every drafted position, PPOW.md) or ``"reached"`` (``w_i = P(A >= i - 1 | y)``, the positions
+    (``w_i = 1`` on every drafted position, docs/ppow.md) or ``"reached"`` (``w_i = P(A >= i - 1 | y)``, the positions
     verification reaches: what cached greedy rewards can compute, ``ppow_trl.training.cached_verification``).
     """
     if proximity_positions not in PROXIMITY_POSITIONS:

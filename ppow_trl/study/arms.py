@@ -1,4 +1,4 @@
-"""The study's arms: what each trains, from which start, for which budget (design/PPOW.md "Baselines").
+"""The study's arms: what each trains, from which start, for which budget (docs/ppow.md "Baselines").
 
 Every arm starts from the same drafter (the target's first layers with a reduced head over the same ids),
 sees the same target-generated data and gets the same wall-clock training budget ``budget_seconds``:

@@ -5,7 +5,7 @@ An `evaluate` metric script: load it with `evaluate.load(<this folder>)` or
 `summary.summarize` next to it (numpy only; evaluate copies it along with this script), which
 `python -m ppow_trl.bench` uses too, so the metric and the benchmark compute every number one way.
 
-Conventions (ppow_trl design/PPOW.md, "Evaluation protocol"):
+Conventions (ppow_trl docs/ppow.md, "Evaluation protocol"):
 
 - ``tau = sum(generated_tokens) / sum(target_forwards)`` over all prompts (a ratio of sums, i.e.
   tokens per verification forward pooled over the run), where ``target_forwards`` counts the target
