@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= requirements/cpu-py311.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup interop llama-cpp demo test test-fast test-random notebooks lock deps-latest numbers
+.PHONY: setup interop llama-cpp demo test test-fast test-random notebooks lock deps-latest numbers reference
 
 setup:
 	$(if $(TORCH_SPEC),$(PIP) install -q $(PIN) "$(TORCH_SPEC)")
@@ -46,6 +46,11 @@ test: setup
 # hand-typed numbers). `python tools/render_numbers.py --check` (tests/test_generated_docs.py) fails when they are stale.
 numbers:
 	$(PYTHON) tools/render_numbers.py
+
+# docs/configuration.md, docs/logged-metrics.md, docs/model-card.md and CHANGELOG.md's moved modules, generated from
+# the code (`--check`: tests/test_reference_docs.py).
+reference:
+	$(PYTHON) tools/render_reference.py
 
 test-fast:
 	$(PYTHON) -m pytest -q -n 2 -m "not slow"
