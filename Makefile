@@ -42,7 +42,8 @@ demo: setup
 test: setup
 	$(PYTHON) -m pytest -q -n 2
 
-# docs/benchmarks.md and the README's results table, generated from benchmarks/results/*.json (every figure; no
+# docs/benchmarks.md (latest runs), docs/benchmarks-archive.md (the rest) and the README's results table, generated from
+# benchmarks/results/*.json (every figure; no
 # hand-typed numbers). `python tools/render_numbers.py --check` (tests/test_generated_docs.py) fails when they are stale.
 numbers:
 	$(PYTHON) tools/render_numbers.py
