@@ -44,7 +44,7 @@ from ppow_trl.training.model_card import PROTOCOL
 from ppow_trl.serving.runtime import serving_runtime
 from ppow_trl.serving.rule import calibrate_for_serving
 from ppow_trl.utils import cache_root, resolve_precision, save_json, set_cpu_threads
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger("ppow_llama")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "offline_smollm2.yaml"

@@ -482,7 +482,7 @@ def compiled_serving(results: Path):
         "- `hf_generate_compiled`: `generate` with `cache_implementation=\"static\"` and a `CompileConfig` (inductor), "
         "transformers' documented route;",
         "- `compiled_plain[<precision>]`: ppow_trl's loop without a drafter on the compiled runtime "
-        "(`ppow_trl.serving.runtime`), the target in fp32 or converted (`int8`: weight-only, `ppow_trl.serving.precision`);",
+        "(`ppow_trl.serving.runtime`), the target in fp32 or converted (`int8`: weight-only, `ppow_trl.compiled_runtime.precision`);",
         "- `compiled_speculative[<drafter>]` (fp32 target) and `compiled_speculative[<drafter>@<precision>]`: the loop "
         "with a drafter and the rule `calibrate_for_serving` chooses on that runtime's measured costs: the main job's "
         "drafter (`ppow`), prompt lookup, and the hybrid of the two (`ppow_trl.drafters.hybrid`: the looked-up token "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..serving.cost import CostModel
-from ..serving.windowing import AdaptiveWindowPolicy
+from ..core.cost import CostModel
+from ..core.windowing import AdaptiveWindowPolicy
 
 PROTOCOL = (
     "Batch size 1. tau = tokens generated / target verification forwards (bonus token included, EAGLE's "
@@ -26,7 +26,7 @@ REVISION_NOTE = """Pin `revision=` to the commit hash of this repo that you chec
 or `huggingface_hub.HfApi().model_info("{repo}").sha`): a branch such as `main` can change after you read it."""
 
 REMOTE_CODE_NOTE = """What `trust_remote_code=True` executes (with your privileges), at the revision fetched:
-`custom_generate/generate.py`, a verbatim copy of `ppow_trl/serving/custom_generate/generate.py` (it imports torch and
+`custom_generate/generate.py`, a verbatim copy of `ppow_trl/core/custom_generate/generate.py` (it imports torch and
 transformers' stopping criteria; when transformers' assisted loop calls the drafter it reads the window policy,
 adds a stopping criterion and calls the model's own `generate`; no network, no file writes, no subprocess), and
 for a reduced-vocabulary drafter `modeling_ppow_drafter.py`, a copy of `ppow_trl/drafter.py` without its
@@ -79,8 +79,8 @@ adaptive window inside transformers' assisted generation (batch size 1). `ppow_t
 
 MERGE_SNIPPET = """from peft import PeftModel
 from ppow_trl.serving.assisted import save_assistant
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
-from ppow_trl.serving.cost import CostModel{family_import}
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.cost import CostModel{family_import}
 # base_drafter: the drafter this adapter was trained on (see "Drafter" above), built or loaded as in training
 drafter = PeftModel.from_pretrained(base_drafter, "{repo}", revision=revision).merge_and_unload()
 policy = AdaptiveWindowPolicy.from_pretrained("{repo}", revision=revision)
