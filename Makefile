@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= requirements/cpu-py311.txt
 PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup interop llama-cpp demo test test-fast test-random notebooks lock deps-latest numbers
+.PHONY: setup interop llama-cpp demo test test-fast test-random notebooks lock deps-latest numbers reference
 
 setup:
 	$(if $(TORCH_SPEC),$(PIP) install -q $(PIN) "$(TORCH_SPEC)")
@@ -42,10 +42,16 @@ demo: setup
 test: setup
 	$(PYTHON) -m pytest -q -n 2
 
-# docs/benchmarks.md and the README's results table, generated from benchmarks/results/*.json (every figure; no
+# docs/benchmarks.md (latest runs), docs/benchmarks-archive.md (the rest) and the README's results table, generated from
+# benchmarks/results/*.json (every figure; no
 # hand-typed numbers). `python tools/render_numbers.py --check` (tests/test_generated_docs.py) fails when they are stale.
 numbers:
 	$(PYTHON) tools/render_numbers.py
+
+# docs/configuration.md, docs/logged-metrics.md, docs/model-card.md and CHANGELOG.md's moved modules, generated from
+# the code (`--check`: tests/test_reference_docs.py).
+reference:
+	$(PYTHON) tools/render_reference.py
 
 test-fast:
 	$(PYTHON) -m pytest -q -n 2 -m "not slow"

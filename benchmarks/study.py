@@ -3,7 +3,7 @@ ablations, exact greedy tau and bootstrap intervals over prompts; resumable. See
 
     python benchmarks/study.py                  # the whole study (about 1.5 h on 2 CPU cores; reruns skip
                                                 # cached data and finished arms)
-    python benchmarks/study.py --report-only    # docs/benchmarks.md's study section from the JSON results
+    python benchmarks/study.py --report-only    # docs/benchmarks-archive.md's study section from the JSON results
 """
 
 from ppow_trl.study.runner import main

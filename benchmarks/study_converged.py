@@ -3,7 +3,7 @@
 
     python benchmarks/study_converged.py                  # everything (about 100 minutes on 2 cores)
     python benchmarks/study_converged.py --stage converge # the converged drafters only
-    python benchmarks/study_converged.py --report-only    # summary.json, plot and docs/benchmarks.md section
+    python benchmarks/study_converged.py --report-only    # summary.json, plot and docs/benchmarks-archive.md section
 """
 
 from ppow_trl.study.converged import main

@@ -2,7 +2,7 @@
 
     python benchmarks/study_converged.py                   # everything; reruns skip finished stages
     python benchmarks/study_converged.py --stage converge  # only the converged drafters
-    python benchmarks/study_converged.py --report-only     # summary.json and docs/benchmarks.md from the JSON
+    python benchmarks/study_converged.py --report-only     # summary.json and docs/benchmarks-archive.md from the JSON
 
 Stage 1 (``converge``), per family (the truncated drafter, the EAGLE-3 head): KD on the study's data (``StudyData``:
 the target's greedy responses to 640 ShareGPT prompts, 56k tokens, its top-32) until the held-out exact greedy
@@ -356,7 +356,7 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (1 torch thread each)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--work", type=Path, default=WORK)
-    parser.add_argument("--benchmarks-md", type=Path, default=Path("docs/benchmarks.md"))
+    parser.add_argument("--benchmarks-md", type=Path, default=Path("docs/benchmarks-archive.md"))
     parser.add_argument("--smoke", action="store_true", help="tiny data and budgets: test the pipeline in minutes")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--run", nargs=3, metavar=("FAMILY", "ARM", "SEED"), help=argparse.SUPPRESS)

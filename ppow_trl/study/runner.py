@@ -2,7 +2,7 @@
 
     python benchmarks/study.py                 # everything; reruns skip finished arms and cached data
     python benchmarks/study.py --arms kd ppow  # a subset
-    python benchmarks/study.py --report-only   # regenerate docs/benchmarks.md's study section from the JSON
+    python benchmarks/study.py --report-only   # regenerate docs/benchmarks-archive.md's study section from the JSON
 
 Each arm writes ``<results>/arms/<name>.json`` (config, budget used, held-out tau curve, per-prompt records
 of every evaluation) and saves its drafter under ``<work>/<name>`` (policy and cost model included, loadable
@@ -407,7 +407,7 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="arms trained at once (1 torch thread each)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the JSON results go")
     parser.add_argument("--work", type=Path, default=WORK, help="where the drafters are saved")
-    parser.add_argument("--benchmarks-md", type=Path, default=Path("docs/benchmarks.md"),
+    parser.add_argument("--benchmarks-md", type=Path, default=Path("docs/benchmarks-archive.md"),
                         help="the file whose study section is regenerated")
     parser.add_argument("--smoke", action="store_true", help="tiny data and budgets: test the pipeline in minutes")
     parser.add_argument("--run-arm", choices=list(ORDER), help=argparse.SUPPRESS)

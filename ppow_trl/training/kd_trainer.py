@@ -1,6 +1,6 @@
 """Token-level distillation (KD) of a drafter on cached target top-k distributions.
 
-The KD baseline of the study and PPOW's warm start (design/PPOW.md "Baselines"; trainer-notes §7): the drafter
+The KD baseline of the study and PPOW's warm start (docs/ppow.md "Baselines"; trainer-notes §7): the drafter
 learns the target's next-token distribution along target-generated responses, by forward KL against the
 target's top-k log-probabilities stored by `ppow_trl.data.compute_target_topk`. No teacher is held in memory,
 and reduced-vocabulary drafters (`PPOWDrafterForCausalLM`, also inside a `PeftModel`) are supported; TRL's
@@ -47,6 +47,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from ..drafter import ReducedVocabHeadMixin
 from ..drafting import family_of, load_drafter
 from ..utils import unwrap_model
+from .logged_metrics import TAU
 
 # Columns the trainer reads (from `ppow_trl.data.build_target_responses` + `compute_target_topk`).
 KD_COLUMNS = ("prompt_ids", "response_ids", "topk_ids", "topk_logprobs")
@@ -99,6 +100,12 @@ class KDConfig(TrainingArguments):
         block_decay_gamma (`float`, *optional*, defaults to `4.0`):
             Slot ``k``'s weight ``w_k = exp(-(k - 1) / gamma)`` (DFlash's position decay); the loss is
             ``sum_k w_k * mean KL_k / sum_k w_k`` like TTT's.
+        eval_tau_window (`int`, *optional*, defaults to `0`):
+            K of `eval_tau`: exact greedy tau at fixed windows of K tokens (h = 0) over the eval rows' prompts, with
+            their `response_ids` as the target's greedy text (needs `target=`). Usable as `metric_for_best_model`, e.g.
+            with transformers' `EarlyStoppingCallback`. 0: no `eval_tau` (the eval rows then need the KD columns).
+        eval_max_new_tokens (`int`, *optional*, defaults to `128`):
+            Tokens per eval prompt for `eval_tau` (the eval responses' generation length).
         max_length (`int` or `None`, *optional*, defaults to `1024`):
             Maximum length of `prompt_ids + response_ids`. Longer examples lose the start of their prompt (at
             least one prompt token is kept; a response alone longer than that loses its end). `None`: no
@@ -674,7 +681,7 @@ class KDTrainer(Trainer):
         else:
             output = EvalLoopOutput(predictions=None, label_ids=None, metrics={}, num_samples=len(dataset))
         if self.args.eval_tau_window:
-            output.metrics[f"{metric_key_prefix}_tau"] = self.held_out_tau(dataset)
+            output.metrics[f"{metric_key_prefix}_{TAU}"] = self.held_out_tau(dataset)
         return output
 
     @torch.no_grad()

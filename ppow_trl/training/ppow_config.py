@@ -17,7 +17,7 @@ from ..core.windowing import SERVED_MIN_SPEEDUP
 @dataclass
 class PPOWConfig(GRPOConfig):
     r"""
-    Configuration class for [`PPOWTrainer`]: GRPO on speculative windows, with the definitions of PPOW.md.
+    Configuration class for [`PPOWTrainer`]: GRPO on speculative windows, with the definitions of docs/ppow.md.
 
     Only PPOW's parameters are listed here; see [`~trl.GRPOConfig`] for the rest. `num_generations` is the
     number G of windows drafted per context, `temperature` the drafter's sampling temperature (the
@@ -88,7 +88,7 @@ class PPOWConfig(GRPOConfig):
             text too (drafters that read the target's hidden states still run it for their features). Needs
             `acceptance="greedy"` and `proximity_positions="reached"`.
         proximity_positions (`str`, *optional*):
-            The positions R_prox averages over: `"window"` (every drafted position, PPOW.md) or `"reached"` (position i
+            The positions R_prox averages over: `"window"` (every drafted position, docs/ppow.md) or `"reached"` (position i
             weighted by P(A >= i - 1 | y): the positions verification reaches). Default: `"reached"` with
             `reward_source="cache"`, else `"window"`.
         verify_temperature (`float`, *optional*, defaults to `1.0`):
@@ -138,6 +138,12 @@ class PPOWConfig(GRPOConfig):
             minutes to compile once per machine, then cached on disk; eager with a one-line message where compiling
             is not possible) or `"eager"`. The recipe's offline default sets `"compiled"`. Training always runs
             eagerly.
+        row_independent (`bool`, *optional*, defaults to `True`):
+            Compiled runtime: a row's logits do not depend on the rows verified with it, so speculation gives plain
+            decoding's tokens bitwise (the decode step takes about 1.1x as long).
+        compile_packages (`bool`, *optional*, defaults to `True`):
+            Compiled runtime: keep the compiled graphs as AOTInductor packages on disk, which a later run loads in
+            seconds, instead of compiling them with `torch.compile` in every run.
         serving_precision (`str`, *optional*, defaults to `"fp32"`):
             The target's precision on that runtime (`ppow_trl.compiled_runtime.precision`): `"fp32"`, `"bf16"` or
             `"int8"` (weight-only, per-row scales; fewer bytes read per token). The cost model and the served rule are
@@ -192,21 +198,24 @@ class PPOWConfig(GRPOConfig):
     drafter_serving_precision: str | None = field(default=None, metadata={
         "help": "Drafter precision when serving: 'fp32', 'bf16' or 'int8' (default: as trained); never changes the output."})
 
-    # Defaults that differ from GRPOConfig, with the reason.
-    # Drafters are small: activation checkpointing costs time and saves little memory.
-    activation_checkpointing: bool | None = field(default=False, metadata={"help": "Activation checkpointing of the drafter."})
-    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "Deprecated alias of activation_checkpointing."})
-    # bf16 mixed precision on CPUs is very slow; None = bf16 only when CUDA is available.
-    bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; default: only on CUDA."})
-    # Contexts and windows are drawn per generation round from seeded generators (ContextSelector), so a
-    # resumed run continues the stream from the restored step instead of replaying the dataloader.
-    ignore_data_skip: bool = field(default=True, metadata={"help": "Must stay True: the context selector resumes itself."})
-    # Windows never end in EOS: GRPO's masking of "truncated" completions would mask every window.
-    mask_truncated_completions: bool = field(default=False, metadata={"help": "Must stay False for windows."})
-    # The rows carry the candidate index next to the prompt ids.
-    remove_unused_columns: bool | None = field(default=False, metadata={"help": "Must stay False."})
-    # Dropout would make the sampled q differ from the distribution that training scores.
-    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the drafter."})
+    # Defaults that differ from GRPOConfig; each help says why (docs/configuration.md lists them).
+    activation_checkpointing: bool | None = field(default=False, metadata={
+        "help": "Activation checkpointing of the drafter; off: drafters are small, it costs time and saves little "
+                "memory."})
+    gradient_checkpointing: bool | None = field(default=None, metadata={
+        "help": "Deprecated alias of activation_checkpointing."})
+    bf16: bool | None = field(default=None, metadata={
+        "help": "bf16 mixed precision; None: only when CUDA is available (on CPUs it is very slow)."})
+    ignore_data_skip: bool = field(default=True, metadata={
+        "help": "Must stay True: contexts and windows are drawn per generation round from seeded generators, so a "
+                "resumed run continues from the restored step instead of replaying the dataloader."})
+    mask_truncated_completions: bool = field(default=False, metadata={
+        "help": "Must stay False: windows never end in EOS, so GRPO would mask every window as truncated."})
+    remove_unused_columns: bool | None = field(default=False, metadata={
+        "help": "Must stay False: the rows carry the context's candidate index next to the prompt ids."})
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "Disable dropout in the drafter: dropout would make the sampled q differ from the distribution "
+                "that training scores."})
 
     def compile_settings(self):
         """The compiled runtime's ``CompileSettings`` from ``row_independent`` and ``compile_packages``."""

@@ -30,6 +30,7 @@ from ..core.credit import per_position_advantages
 from ..drafter import ReducedVocabHeadMixin
 from ..drafting import family_of, load_drafter
 from ..features import RolloutFeatures
+from .logged_metrics import PPOW_EVAL, keys
 from .model_card import render_model_card, write_model_card
 from ..models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
@@ -274,8 +275,8 @@ class PPOWTrainer(GRPOTrainer):
         return 0.0 if self.args.acceptance == "greedy" else self.args.verify_temperature
 
     def window_rewards(self, verified: VerifiedWindows) -> dict[str, torch.Tensor]:
-        """The reward terms of PPOW.md for verified windows (``ppow_trl.core.rollout.window_rewards`` with this run's
-        cost model, speed reward and proximity settings)."""
+        """The reward terms of docs/ppow.md for verified windows (``ppow_trl.core.rollout.window_rewards`` with this
+        run's cost model, speed reward and proximity settings)."""
         cost_model = self.cost_model if self.args.speed_reward == "cost" else None
         return window_rewards(verified, cost_model, proximity_divergence=self.args.proximity_divergence,
                               proximity_weight=self.args.proximity_weight,
@@ -554,9 +555,8 @@ class PPOWTrainer(GRPOTrainer):
                 values = broadcast(values, from_process=0)
             tau = counts[0] / counts[1].clamp_min(1), counts[2] / counts[3].clamp_min(1)
             values = torch.cat([torch.stack(tau).to(values.device), values])
-            names = ("tau", "tau_fixed_window", "expected_accepted", "simulated_speedup", "predicted_speedup",
-                     "window_max", "window_threshold")
-            metrics = {f"{metric_key_prefix}_{name}": float(v) for name, v in zip(names, values.tolist())}
+            metrics = {f"{metric_key_prefix}_{name}": float(v) for name, v in zip(keys(PPOW_EVAL), values.tolist(),
+                                                                                  strict=True)}
             self.log(metrics)
         finally:
             self.model.train(was_training)
