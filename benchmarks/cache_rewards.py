@@ -30,12 +30,12 @@ from transformers import TrainerCallback
 
 from ppow_trl.training.cached_verification import cached_next_tokens, verify_windows_from_cache
 from ppow_trl.training.contexts import ContextPool
-from ppow_trl.serving.cost import CostModel
-from ppow_trl.serving.rollout import verify_windows, window_rewards
+from ppow_trl.core.cost import CostModel
+from ppow_trl.core.rollout import verify_windows, window_rewards
 from ppow_trl.study.arms import ARMS
 from ppow_trl.study.runner import StudyConfig, _build_drafter, _load, _load_drafter
 from ppow_trl.utils import set_cpu_threads
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 
 class StepTimes(TrainerCallback):

@@ -1,4 +1,4 @@
-"""Choose the compiled runtime's inductor settings by measurement (ppow_trl.serving.compiled).
+"""Choose the compiled runtime's inductor settings by measurement (ppow_trl.compiled_runtime.compiled).
 
 For each setting: cold compile seconds (empty inductor cache), warm start seconds (a new process, the cache filled),
 the one-token step t_t and verify costs t_v(L) for L = 2..5 rows, on SmolLM2-135M-Instruct (fp32 weights, or bf16 for
@@ -60,7 +60,7 @@ PROMPT = 64
 def child(name: str, reps: int) -> dict:
     import torch
 
-    from ppow_trl.serving.compiled import CompiledCausalLM, CompileSettings
+    from ppow_trl.compiled_runtime.compiled import CompiledCausalLM, CompileSettings
     from ppow_trl.features import forward_at
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path

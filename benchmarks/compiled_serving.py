@@ -9,7 +9,7 @@ Rows (``ppow_trl.bench.served``; every arm runs on every prompt, back to back in
   ``compile_config._compile_all_devices = True``;
 - ``compiled_plain[fp32]``: ppow_trl's loop without a drafter on the compiled runtime (``ppow_trl.serving.runtime``);
 - ``compiled_plain[<precision>]`` and ``compiled_speculative[<drafter>@<precision>]`` for each precision of
-  ``--precisions`` beyond fp32 (default ``int8``; ``ppow_trl.serving.precision``): the target converted, compiled,
+  ``--precisions`` beyond fp32 (default ``int8``; ``ppow_trl.compiled_runtime.precision``): the target converted, compiled,
   the rule calibrated again on that runtime; lossless is counted against plain decoding at that precision, and
   "= eager" against fp32 eager decoding. The drafter keeps its own precision there, unless ``--drafter-precision
   target``: then each row's drafter runs at its target's precision (``serving_runtime(drafter_precision=...)``),
@@ -61,7 +61,7 @@ CALIBRATION_PROMPTS = 16
 
 def run_settings(args) -> dict:
     """The settings a thread count's results are for: a rerun with the same ones skips it (``main``)."""
-    from ppow_trl.serving.windowing import SERVED_MIN_SPEEDUP  # the rules' margin: another one, other rules
+    from ppow_trl.core.windowing import SERVED_MIN_SPEEDUP  # the rules' margin: another one, other rules
 
     return {"mtbench": args.mtbench, "code": args.code, "max_new_tokens": args.max_new_tokens,
             "max_window": args.max_window, "drafter": str(args.drafter), "precisions": sorted(args.precisions),
@@ -94,19 +94,19 @@ def child(args) -> dict:
     import ppow_trl  # noqa: F401
     from ppow_trl.bench.served import compare_arms, format_arms, generate_arm, loop_arm
     from ppow_trl.serving.calibration import held_out_contexts
-    from ppow_trl.serving.compiled import CompileSettings, compile_cache_dir
-    from ppow_trl.serving.cost import CostModel
+    from ppow_trl.compiled_runtime.compiled import CompileSettings, compile_cache_dir
+    from ppow_trl.core.cost import CostModel
     from ppow_trl.data import build_target_responses, encode_prompt, load_prompts, stop_token_ids
     from ppow_trl.drafting import get_family, load_drafter
     from ppow_trl.drafters.hybrid import hybrid_drafter
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path
-    from ppow_trl.serving.precision import serving_precision
+    from ppow_trl.compiled_runtime.precision import serving_precision
     from ppow_trl.serving.runtime import serving_runtime
     from ppow_trl.serving.calibration import apply_fitted
     from ppow_trl.serving.rule import calibrate_for_serving
     from ppow_trl.utils import cache_root, set_cpu_threads
-    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+    from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
     sys.path.insert(0, str(REPO))
     from benchmarks.llama_cpp_amx_build import cpu_description
@@ -272,7 +272,7 @@ def llama_cpp_arms(target, drafter, stop_ids, threads: int, work: Path) -> tuple
     from ppow_trl.interop.gguf_export import export_gguf
     from ppow_trl.interop.llama_cpp_draft import LlamaCppDrafter, load_llama, quantize_gguf
     from ppow_trl.offline import smollm2_gguf_path
-    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+    from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
     window = 1
     stops = set(stop_ids)

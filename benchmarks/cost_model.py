@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from ppow_trl.serving.cost import calibrate_cost_model
+from ppow_trl.core.cost import calibrate_cost_model
 from ppow_trl.data import load_mtbench
 from ppow_trl.models import load_target, make_drafter
 from ppow_trl.offline import smollm2_path

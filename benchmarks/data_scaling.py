@@ -61,7 +61,7 @@ from ppow_trl.serving.rule import DEFAULT_GUARD, calibrate_for_serving
 from ppow_trl.serving.runtime import DEFAULT_MAX_CACHE_LEN, RUNTIMES, serving_runtime
 from ppow_trl.study.evaluate import greedy_records, summarize
 from ppow_trl.utils import cache_root, set_cpu_threads
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 FIXED = AdaptiveWindowPolicy(4, 0.0)
 DEFAULT_POINTS = (25_000, 50_000, 100_000, 150_000, 200_000)

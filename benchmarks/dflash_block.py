@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 from ppow_trl.serving.calibration import calibrate_policy, held_out_contexts
-from ppow_trl.serving.cost import calibrate_cost_model
+from ppow_trl.core.cost import calibrate_cost_model
 from ppow_trl.data import stop_token_ids
 from ppow_trl.study.evaluate import greedy_records, summarize
 from ppow_trl.study.runner import WORK, StudyConfig, _load, _load_drafter
 from ppow_trl.utils import set_cpu_threads
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 BLOCK_ARMS = ("dflash_kd", "dflash_ppow")
 TOKEN_ARMS = ("kd", "eagle3_kd")  # per-token drafters, for the cost columns

@@ -27,7 +27,7 @@ from ppow_trl.serving.generation import exact_greedy_tau, greedy_continuation
 from ppow_trl.models import load_target
 from ppow_trl.offline import smollm2_path
 from ppow_trl.utils import set_cpu_threads
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 
 def main(argv=None) -> dict:

@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: use this checkout's ppow_trl
     sys.path.insert(0, str(REPO))
 
-from ppow_trl.serving.cost import calibrate_cost_model  # noqa: E402
+from ppow_trl.core.cost import calibrate_cost_model  # noqa: E402
 from ppow_trl.models import load_target, model_device  # noqa: E402
 from ppow_trl.utils import set_cpu_threads  # noqa: E402
 

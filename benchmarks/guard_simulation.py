@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from ppow_trl.serving.calibration import guard_loss_budget
-from ppow_trl.serving.custom_generate.generate import SpeculationGuard
-from ppow_trl.serving.windowing import accepted_spread_within
+from ppow_trl.core.custom_generate.generate import SpeculationGuard
+from ppow_trl.core.windowing import accepted_spread_within
 
 DRAFTER_COST = 0.148
 VERIFY_COST = {1: 0.97, 2: 1.13, 3: 1.40, 4: 1.55}

@@ -23,15 +23,15 @@ from transformers import AutoTokenizer
 
 from ppow_trl import KDConfig, KDTrainer
 from ppow_trl.serving.calibration import calibrate_policy, held_out_contexts
-from ppow_trl.serving.cost import calibrate_cost_model, overall_speedup
+from ppow_trl.core.cost import calibrate_cost_model, overall_speedup
 from ppow_trl.data import build_target_responses, compute_target_topk, load_mtbench, recover_json_records, sharegpt_json_path
 from ppow_trl.demo import one_per_category_first
 from ppow_trl.models import build_draft_vocab, draft_vocab_coverage, load_target, make_drafter
 from ppow_trl.offline import smollm2_path
-from ppow_trl.serving.rollout import draft_windows, target_window_probs
+from ppow_trl.core.rollout import draft_windows, target_window_probs
 from ppow_trl.utils import cache_root, set_cpu_threads
-from ppow_trl.serving.verification import greedy_accepted_length
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.verification import greedy_accepted_length
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 
 def sharegpt_pairs(tokenizer, count, max_response_tokens):

@@ -53,7 +53,7 @@ from ppow_trl.interop.gguf_export import expanded_head_agreement, export_gguf
 from ppow_trl.interop.llama_cpp_draft import LlamaCppDrafter, load_llama, mean_accepted_length, pairing_problems, quantize_gguf
 from ppow_trl.offline import smollm2_gguf_path, smollm2_path
 from ppow_trl.utils import set_cpu_threads
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from speedup import bootstrap_median  # noqa: E402

@@ -49,10 +49,10 @@ def main(argv=None) -> dict:
     from ppow_trl.offline import smollm2_path
     from ppow_trl.serving.calibration import held_out_contexts
     from ppow_trl.serving.generation import speculative_generate
-    from ppow_trl.serving.precision import serving_precision
+    from ppow_trl.compiled_runtime.precision import serving_precision
     from ppow_trl.serving.rule import calibrate_for_serving
     from ppow_trl.serving.runtime import serving_runtime
-    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+    from ppow_trl.core.windowing import AdaptiveWindowPolicy
     from ppow_trl.utils import cache_root, set_cpu_threads
 
     sys.path.insert(0, str(REPO))

@@ -1,7 +1,7 @@
 """Does a verify pass compute bitwise what decode steps compute, and what does making it so cost?
 
 For each precision (fp32, int8) and ``CompileSettings(row_independent=True | False)`` (True is the default: attention
-padded to K_max + 1 query rows, ``ppow_trl.serving.attention``), SmolLM2-135M-Instruct served by ``serving_runtime``
+padded to K_max + 1 query rows, ``ppow_trl.compiled_runtime.attention``), SmolLM2-135M-Instruct served by ``serving_runtime``
 (compiled, K_max = 4, 512-position cache):
 
 - rows: plain-decode 40 tokens after an MT-bench-style prompt, then verify the same tokens in windows of L = 2..5 rows
@@ -41,7 +41,7 @@ def child(precision: str, row_independent: bool, threads: int) -> dict:
 
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path
-    from ppow_trl.serving.compiled import CompileSettings
+    from ppow_trl.compiled_runtime.compiled import CompileSettings
     from ppow_trl.serving.runtime import serving_runtime
     from ppow_trl.utils import set_cpu_threads
 
@@ -98,7 +98,7 @@ def timing_child(threads: int, rounds: int, precision: str) -> dict:
 
     from ppow_trl.models import load_target
     from ppow_trl.offline import smollm2_path
-    from ppow_trl.serving.compiled import CompileSettings
+    from ppow_trl.compiled_runtime.compiled import CompileSettings
     from ppow_trl.serving.runtime import serving_runtime
     from ppow_trl.utils import set_cpu_threads
 

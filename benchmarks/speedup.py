@@ -37,13 +37,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import ppow_trl  # noqa: F401  (registers the reduced-vocabulary drafter)
 from ppow_trl.bench import BenchDrafter, run_benchmark
 from ppow_trl.bench.report import machine_info
-from ppow_trl.serving.cost import CostModel
+from ppow_trl.core.cost import CostModel
 from ppow_trl.data import load_prompts
 from ppow_trl.models import load_target
 from ppow_trl.offline import smollm2_path
 from ppow_trl.serving.rule import describe_serving_rule
 from ppow_trl.utils import set_cpu_threads
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 DEFAULT_DRAFTERS = {"main_job": "outputs/ppow-smollm2-offline/merged", "long": "outputs/ppow-smollm2-long/merged"}
 

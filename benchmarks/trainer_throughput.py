@@ -31,13 +31,13 @@ import torch
 from transformers import AutoTokenizer, TrainerCallback
 
 from ppow_trl import PPOWConfig, PPOWTrainer
-from ppow_trl.serving.cost import CostModel
+from ppow_trl.core.cost import CostModel
 from ppow_trl.data import build_target_responses, load_mtbench
 from ppow_trl.models import load_target, make_drafter
 from ppow_trl.offline import smollm2_path
-from ppow_trl.serving.rollout import draft_windows, target_window_probs
+from ppow_trl.core.rollout import draft_windows, target_window_probs
 from ppow_trl.utils import cache_root, set_cpu_threads
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 ARMS = {"trl_generic": False, "shared_context": True}
 

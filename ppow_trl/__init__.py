@@ -11,7 +11,7 @@ from . import _compat  # noqa: F401
 # Importing _moved puts its finder first on sys.meta_path.
 from ._moved import moved_attribute as __getattr__  # noqa: F401
 
-from .serving.cost import CostModel, calibrate_cost_model, overall_speedup, speedup
+from .core.cost import CostModel, calibrate_cost_model, overall_speedup, speedup
 # Importing the drafter module registers the `ppow_drafter` model type with AutoConfig and
 # AutoModelForCausalLM, so `AutoModelForCausalLM.from_pretrained(saved_drafter)` works after `import ppow_trl`.
 from .drafter import PPOWDrafterConfig, PPOWDrafterForCausalLM
@@ -32,8 +32,8 @@ from .training.kd_trainer import KDConfig, KDTrainer
 from .models import OFFLINE_TARGET, build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter
 from .training.ppow_config import PPOWConfig
 from .training.ppow_trainer import PPOWTrainer
-from .serving.rewards import divergence, proximity_reward, window_reward
-from .serving.verification import (
+from .core.rewards import divergence, proximity_reward, window_reward
+from .core.verification import (
     acceptance_probabilities,
     expected_accepted_length,
     greedy_accepted_length,
@@ -41,7 +41,7 @@ from .serving.verification import (
     residual_distribution,
     speculative_sampling_verify,
 )
-from .serving.windowing import AdaptiveWindowPolicy, divergence_scores, window_start_probabilities
+from .core.windowing import AdaptiveWindowPolicy, divergence_scores, window_start_probabilities
 
 __all__ = [
     "load_assistant",

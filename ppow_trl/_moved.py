@@ -5,7 +5,9 @@ ppow_trl.verification import greedy_verify``) imports the new module, returns th
 (``sys.modules[old] is sys.modules[new]``: one module, one set of classes) and warns once with a ``FutureWarning``
 naming the new path. A moved package takes its submodules along: ``ppow_trl.eagle3.family`` is
 ``ppow_trl.drafters.eagle3.family``. ``ppow_trl.<old name>`` as an attribute works the same way (the package's
-``__getattr__`` is ``moved_attribute``). Inside the project only the new paths are used.
+``__getattr__`` is ``moved_attribute``; ``ppow_trl.serving``'s own ``__getattr__`` does it for the modules that left
+it). A module that moved twice maps from both old names to where it is now: ``ppow_trl.rewards`` and
+``ppow_trl.serving.rewards`` are ``ppow_trl.core.rewards``. Inside the project only the new paths are used.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ MOVED: dict[str, str] = {
     "ppow_trl.assisted": "ppow_trl.serving.assisted",
     "ppow_trl.cached_verification": "ppow_trl.training.cached_verification",
     "ppow_trl.calibration": "ppow_trl.serving.calibration",
-    "ppow_trl.compiled": "ppow_trl.serving.compiled",
+    "ppow_trl.compiled": "ppow_trl.compiled_runtime.compiled",
     "ppow_trl.contexts": "ppow_trl.training.contexts",
-    "ppow_trl.cost": "ppow_trl.serving.cost",
-    "ppow_trl.credit": "ppow_trl.serving.credit",
-    "ppow_trl.custom_generate": "ppow_trl.serving.custom_generate",
+    "ppow_trl.cost": "ppow_trl.core.cost",
+    "ppow_trl.credit": "ppow_trl.core.credit",
+    "ppow_trl.custom_generate": "ppow_trl.core.custom_generate",
     "ppow_trl.dflash": "ppow_trl.drafters.dflash",
     "ppow_trl.eagle3": "ppow_trl.drafters.eagle3",
     "ppow_trl.generation": "ppow_trl.serving.generation",
@@ -43,13 +45,27 @@ MOVED: dict[str, str] = {
     "ppow_trl.ppow_config": "ppow_trl.training.ppow_config",
     "ppow_trl.ppow_trainer": "ppow_trl.training.ppow_trainer",
     "ppow_trl.prompt_lookup": "ppow_trl.drafters.prompt_lookup",
-    "ppow_trl.rewards": "ppow_trl.serving.rewards",
-    "ppow_trl.rollout": "ppow_trl.serving.rollout",
+    "ppow_trl.rewards": "ppow_trl.core.rewards",
+    "ppow_trl.rollout": "ppow_trl.core.rollout",
     "ppow_trl.runtime": "ppow_trl.serving.runtime",
+    "ppow_trl.serving.attention": "ppow_trl.compiled_runtime.attention",
+    "ppow_trl.serving.compiled": "ppow_trl.compiled_runtime.compiled",
+    "ppow_trl.serving.cost": "ppow_trl.core.cost",
+    "ppow_trl.serving.credit": "ppow_trl.core.credit",
+    "ppow_trl.serving.custom_generate": "ppow_trl.core.custom_generate",
+    "ppow_trl.serving.inductor_settings": "ppow_trl.compiled_runtime.inductor_settings",
+    "ppow_trl.serving.package_store": "ppow_trl.compiled_runtime.package_store",
+    "ppow_trl.serving.packaged": "ppow_trl.compiled_runtime.packaged",
+    "ppow_trl.serving.precision": "ppow_trl.compiled_runtime.precision",
+    "ppow_trl.serving.rewards": "ppow_trl.core.rewards",
+    "ppow_trl.serving.rollout": "ppow_trl.core.rollout",
+    "ppow_trl.serving.row_check": "ppow_trl.compiled_runtime.row_check",
+    "ppow_trl.serving.verification": "ppow_trl.core.verification",
+    "ppow_trl.serving.windowing": "ppow_trl.core.windowing",
     "ppow_trl.standalone": "ppow_trl.drafters.standalone",
-    "ppow_trl.verification": "ppow_trl.serving.verification",
+    "ppow_trl.verification": "ppow_trl.core.verification",
     "ppow_trl.window_logprobs": "ppow_trl.training.window_logprobs",
-    "ppow_trl.windowing": "ppow_trl.serving.windowing",
+    "ppow_trl.windowing": "ppow_trl.core.windowing",
 }
 
 

@@ -1,6 +1,6 @@
 """Left-padded batches of contexts of different lengths, prefilled once and shared by G samples each.
 
-Rollouts (``ppow_trl.serving.rollout``) and drafter sessions (``ppow_trl.drafting``) prefill contexts here: each row is
+Rollouts (``ppow_trl.core.rollout``) and drafter sessions (``ppow_trl.drafting``) prefill contexts here: each row is
 left-padded and gets explicit position ids, so it sees the positions it would see alone.
 """
 

@@ -97,8 +97,8 @@ def _inductor_entries(folder: Path) -> list[CacheEntry]:
     """The inductor cache ``folder`` (less its packages) and each of its package sets."""
     import torch
 
-    from .serving.inductor_settings import KEY_FILE
-    from .serving.packaged import BUILD_FILE, code_versions
+    from .compiled_runtime.inductor_settings import KEY_FILE
+    from .compiled_runtime.packaged import BUILD_FILE, code_versions
     from .utils import cpu_flags
 
     key = _read_json(folder / KEY_FILE)

@@ -20,15 +20,15 @@ import torch
 
 from .serving.calibration import calibrate_policy
 from .training.contexts import score_sequence
-from .serving.cost import calibrate_cost_model, overall_speedup, speedup
+from .core.cost import calibrate_cost_model, overall_speedup, speedup
 from .data import build_target_responses, load_mtbench, recover_json_records, sharegpt_json_path
 from .models import build_draft_vocab, check_compatibility, draft_vocab_coverage, load_target, make_drafter
 from .offline import smollm2_path
-from .serving.rewards import proximity_reward, window_reward
-from .serving.rollout import draft_windows, target_window_probs
+from .core.rewards import proximity_reward, window_reward
+from .core.rollout import draft_windows, target_window_probs
 from .utils import cache_root, set_cpu_threads
-from .serving.verification import window_prefix_acceptance
-from .serving.windowing import AdaptiveWindowPolicy, sample_window_starts, window_start_probabilities
+from .core.verification import window_prefix_acceptance
+from .core.windowing import AdaptiveWindowPolicy, sample_window_starts, window_start_probabilities
 
 
 def parse_args(argv=None):

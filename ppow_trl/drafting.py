@@ -28,7 +28,7 @@ the family:
 - ``teacher_forced_logits(prompt, text, max_window, features)``: the proposals of a window started after every
   prefix of a known text (exact greedy tau, without running the loop);
 - ``timed_step(context, features)``: a callable running one unit the cost model charges (a drafted token, or a
-  round for a block drafter), state put back after each call (``ppow_trl.serving.cost``);
+  round for a block drafter), state put back after each call (``ppow_trl.core.cost``);
 - ``forwards``: drafter forwards run so far; ``target_layer_ids``: the target features it reads (``None``: none);
   ``max_window``: the most tokens it drafts per round (``None``: no limit).
 

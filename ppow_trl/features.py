@@ -93,7 +93,8 @@ def forward_at(model, tokens: list[int], cache, start: int, feature_layers: list
     if cached != start:  # an internal invariant: caches must hold exactly the committed prefix
         raise RuntimeError(f"KV cache holds {cached} positions, expected {start}.")
     device = next(model.parameters()).device
-    if cache is None and hasattr(model, "new_cache"):  # a compiled runtime (ppow_trl.serving.compiled): its static cache
+    # a compiled runtime (ppow_trl.compiled_runtime.compiled): its static cache
+    if cache is None and hasattr(model, "new_cache"):
         cache = model.new_cache()
     elif cache is None:
         # Sliding-window (and other bounded) cache layers only allow rolling back after a rejection when

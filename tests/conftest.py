@@ -152,7 +152,7 @@ def first_two_tokens_test(target, drafter, prompt, vocab: int, samples: int, max
     from scipy.stats import chisquare
 
     from ppow_trl.serving.generation import speculative_generate
-    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+    from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
     with torch.no_grad():
         step = torch.softmax(target(torch.arange(vocab)[None]).logits[0], -1)

@@ -26,7 +26,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import ppow_trl.serving.custom_generate.generate as hook_module
+import ppow_trl.core.custom_generate.generate as hook_module
 from conftest import (easy_hard_bigram_table, make_bigram_llama, make_target_and_drafters,
                       make_tiny_tokenizer)
 from ppow_trl._compat import SUPPORTED_TRL_RANGE, check_trl_version
@@ -41,11 +41,11 @@ from ppow_trl.serving.assisted import (
     save_assistant,
     write_assistant_files,
 )
-from ppow_trl.serving.cost import COST_MODEL_FILE, CostModel
+from ppow_trl.core.cost import COST_MODEL_FILE, CostModel
 from ppow_trl.drafter import PPOWDrafterForCausalLM
 from ppow_trl.training.model_card import render_model_card
 from ppow_trl.models import make_drafter
-from ppow_trl.serving.windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
+from ppow_trl.core.windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EOS = 3  # make_tiny_llama's eos_token_id
@@ -157,7 +157,8 @@ def test_save_writes_policy_costs_hook_and_generation_config_and_reloads(tmp_pat
     assert saved["eos_token_id"] == EOS  # the model's own generation settings are kept
     assert drafter.generation_config.num_assistant_tokens == 5  # the in-memory drafter is set too
     # the folder's hook is the package's module, byte for byte
-    assert HOOK_SOURCE == Path(hook_module.__file__) == REPO_ROOT / "ppow_trl" / "serving" / "custom_generate" / "generate.py"
+    hook_file = REPO_ROOT / "ppow_trl" / "core" / "custom_generate" / "generate.py"
+    assert HOOK_SOURCE == Path(hook_module.__file__) == hook_file
     assert (folder / CUSTOM_GENERATE_FILE).read_bytes() == HOOK_SOURCE.read_bytes()
 
     loaded = load_assistant(folder)
@@ -409,8 +410,8 @@ def test_the_hook_is_a_self_contained_module_of_the_package():
         if isinstance(node, ast.Import):
             imported |= {alias.name.split(".")[0] for alias in node.names}
     assert imported - {"torch", "transformers"} <= sys.stdlib_module_names, imported
-    assert "ppow_trl.serving.custom_generate" in find_packages(where=str(REPO_ROOT), include=["ppow_trl*"])
-    import ppow_trl.serving.windowing as windowing
+    assert "ppow_trl.core.custom_generate" in find_packages(where=str(REPO_ROOT), include=["ppow_trl*"])
+    import ppow_trl.core.windowing as windowing
 
     assert windowing.window_confidence is hook_module.window_confidence
     assert windowing.keep_drafting is hook_module.keep_drafting
@@ -594,7 +595,7 @@ def test_adapter_model_card_loads_policy_and_cost_model_from_the_hub(tmp_path, f
     assert "LoRA adapter" in card and "merge_and_unload" in card and "trust_remote_code=True" in card
     assert "commit hash" in card and "T_c = 0.8" in card
     code = card.split("```python\n", 1)[1].split("```", 1)[0]
-    starts = ("revision =", "policy =", "cost_model =", "from ppow_trl.serving.windowing", "from ppow_trl.serving.cost")
+    starts = ("revision =", "policy =", "cost_model =", "from ppow_trl.core.windowing", "from ppow_trl.core.cost")
     wanted = [line for line in code.splitlines() if line.startswith(starts)]
     assert len(wanted) == 5 and 'AdaptiveWindowPolicy.from_pretrained("me/ppow-drafter", revision=revision)' in code
     folder = tmp_path / "adapter"

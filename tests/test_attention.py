@@ -1,4 +1,5 @@
-"""Fixed-rows attention (ppow_trl.serving.attention): transformers' attention formula, every call the same shapes.
+"""Fixed-rows attention (ppow_trl.compiled_runtime.attention): transformers' attention formula, every call the same
+shapes.
 
 The compiled runtime traces it so that a row's logits do not depend on how many rows one forward scores
 (tests/test_compiled.py checks that bitwise on compiled graphs); here: the formula against a float64 brute force
@@ -12,7 +13,7 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from ppow_trl.serving.attention import (FIXED_ROWS_ATTENTION, fixed_rows_attention,
+from ppow_trl.compiled_runtime.attention import (FIXED_ROWS_ATTENTION, fixed_rows_attention,
                                         fixed_rows_attention_forward)
 
 

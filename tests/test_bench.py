@@ -10,7 +10,7 @@ import torch
 from conftest import make_tiny_llama, make_tiny_tokenizer
 from ppow_trl.bench import FAST_METHODS, METHODS, BenchDrafter, main, run_benchmark, summarize_records
 from ppow_trl.metrics import load_speculative_metric, summarize
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 HF_LOOP_METHODS = ("hf_assisted", "hf_heuristic", "hf_confidence", "prompt_lookup", "hook")
 

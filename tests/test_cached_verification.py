@@ -9,9 +9,9 @@ from ppow_trl.training.cached_verification import (
     leaves_cached_text,
     verify_windows_from_cache,
 )
-from ppow_trl.serving.cost import CostModel
-from ppow_trl.serving.rollout import reached_positions, verify_windows, window_rewards
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.cost import CostModel
+from ppow_trl.core.rollout import reached_positions, verify_windows, window_rewards
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 COST = CostModel(0.1, [1.0, 1.5, 1.8, 2.0, 2.2])
 

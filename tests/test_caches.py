@@ -11,8 +11,8 @@ import torch
 
 from ppow_trl import caches
 from ppow_trl.data.cache import CACHE_FORMAT_VERSION
-from ppow_trl.serving.inductor_settings import KEY_FILE
-from ppow_trl.serving.packaged import BUILD_FILE, code_versions
+from ppow_trl.compiled_runtime.inductor_settings import KEY_FILE
+from ppow_trl.compiled_runtime.packaged import BUILD_FILE, code_versions
 from ppow_trl.utils import cpu_flags
 
 

@@ -1,4 +1,4 @@
-"""The compiled runtime (ppow_trl.serving.compiled): inductor graphs per row count over a static KV cache.
+"""The compiled runtime (ppow_trl.compiled_runtime.compiled): inductor graphs per row count over a static KV cache.
 
 Checked on a tiny Llama: the compiled forward computes the eager model's logits, rolling the static cache back
 after a rejection is exact, nothing recompiles inside the served loop (a new sequence, other positions, a crop,
@@ -12,12 +12,12 @@ import pytest
 import torch
 from conftest import make_target_and_drafters
 
-from ppow_trl.serving.compiled import CompiledCausalLM, CompileSettings, compile_cache_dir
+from ppow_trl.compiled_runtime.compiled import CompiledCausalLM, CompileSettings, compile_cache_dir
 from ppow_trl.serving.generation import greedy_continuation, speculative_generate
-from ppow_trl.serving.row_check import RowPlan, choose_row_plan, split_rows
+from ppow_trl.compiled_runtime.row_check import RowPlan, choose_row_plan, split_rows
 from ppow_trl.serving.runtime import compile_unavailable_reason
 from ppow_trl.utils import crop_cache
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(compile_unavailable_reason(torch.nn.Linear(1, 1)) is not None,
@@ -40,7 +40,7 @@ def _graphs() -> int:
     """Graphs compiled so far in this process: torch.compile's (dynamo) and AOTInductor packages built."""
     from torch._dynamo.utils import counters
 
-    from ppow_trl.serving import packaged
+    from ppow_trl.compiled_runtime import packaged
 
     return counters["stats"]["unique_graphs"] + packaged.BUILT
 
@@ -96,7 +96,7 @@ def test_a_model_that_cannot_be_packaged_is_compiled_by_torch_compile(monkeypatc
             self.proj = torch.nn.Linear(2, 2)
             self.post_init()
 
-    import ppow_trl.serving.compiled as compiled_module
+    import ppow_trl.compiled_runtime.compiled as compiled_module
 
     def cannot_export(*args, **kwargs):
         raise RuntimeError("export failed\nlong traceback")
@@ -322,7 +322,7 @@ def test_an_int8_target_serves_compiled_and_speculative_equals_plain_at_int8(mod
     plain decoding on that int8 target token for token and serving_runtime does not warn; the int8 target choosing
     the fp32 model's token at most positions of its text (quantizing may flip a token where two are close). (With a
     bf16 stream and PyTorch's attention the int8 rows differed by up to 5.)"""
-    from ppow_trl.serving.precision import precision_of
+    from ppow_trl.compiled_runtime.precision import precision_of
     from ppow_trl.serving.runtime import serving_runtime
 
     target, close, _ = models
@@ -360,7 +360,7 @@ SECOND_PROCESS = """
 import json, sys, time, torch
 sys.path[:0] = [{tests!r}, {repo!r}]  # this checkout's ppow_trl, whatever the working folder holds
 from conftest import make_target_and_drafters
-from ppow_trl.serving.compiled import CompiledCausalLM
+from ppow_trl.compiled_runtime.compiled import CompiledCausalLM
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 cache_dir()  # what an earlier compile or import does: inductor writes its /tmp default into the environment
 torch.set_num_threads(1)
@@ -420,7 +420,7 @@ def test_a_second_process_loads_the_packages_from_disk(tmp_path):
 def test_a_failed_worker_build_is_redone_in_the_serving_process(monkeypatch, tmp_path, caplog):
     """A worker process that fails (out of memory, another environment) costs a warning, not the packages: the
     runtime builds the rest one at a time in its own process, leaves no temporary files, and serves packages."""
-    import ppow_trl.serving.packaged as packaged
+    import ppow_trl.compiled_runtime.packaged as packaged
 
     monkeypatch.setattr(packaged, "_WORKER", "import sys; sys.exit('worker killed')")
     monkeypatch.setenv("PPOW_TRL_CACHE", str(tmp_path))
@@ -438,7 +438,7 @@ def test_a_failed_worker_build_is_redone_in_the_serving_process(monkeypatch, tmp
 
 def test_a_package_is_keyed_by_the_weights_it_embeds():
     """Packages embed the frozen weights: a model with other weights (a trained drafter) must not load them."""
-    from ppow_trl.serving.packaged import weights_digest
+    from ppow_trl.compiled_runtime.packaged import weights_digest
 
     target, _, close = make_target_and_drafters(seed=0, noise=0.02)
     again, _, _ = make_target_and_drafters(seed=0, noise=0.02)
@@ -455,7 +455,7 @@ def test_a_drafter_saved_and_loaded_again_keeps_its_package_key(tmp_path):
     from ppow_trl import save_assistant
     from ppow_trl.drafting import load_drafter
     from ppow_trl.models import make_drafter
-    from ppow_trl.serving.packaged import weights_digest
+    from ppow_trl.compiled_runtime.packaged import weights_digest
 
     target, _, close = make_target_and_drafters(seed=0, noise=0.02)
     for drafter in (close, make_drafter(close, num_layers=1, draft_vocab_ids=list(range(3, 48)))):

@@ -13,8 +13,8 @@ from ppow_trl.training.contexts import (
     score_sequence,
     score_sequences,
 )
-from ppow_trl.serving.verification import probabilities_from_logits
-from ppow_trl.serving.windowing import divergence_scores, window_start_probabilities
+from ppow_trl.core.verification import probabilities_from_logits
+from ppow_trl.core.windowing import divergence_scores, window_start_probabilities
 
 
 

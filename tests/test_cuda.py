@@ -22,9 +22,9 @@ from conftest import make_tiny_llama
 import ppow_trl.models as models
 from ppow_trl import calibrate_cost_model, speculative_generate
 from ppow_trl.models import check_same_device, load_target, model_device
-from ppow_trl.serving.rollout import draft_windows, target_window_probs
-from ppow_trl.serving.verification import acceptance_probabilities, expected_accepted_length
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.rollout import draft_windows, target_window_probs
+from ppow_trl.core.verification import acceptance_probabilities, expected_accepted_length
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 EOS = 3  # make_tiny_llama's eos_token_id
 REPO = Path(__file__).resolve().parents[1]

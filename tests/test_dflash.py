@@ -16,7 +16,7 @@ from ppow_trl.drafters.dflash import anchored_block_hidden, dflash_from_target, 
 from ppow_trl.drafters.eagle3 import target_features
 from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 LAYERS = [0, 1, 3]  # decoder layers: hidden states 1, 2, 4
 MASK_ID = 6  # "system": never in the tiny data (user prompts only)

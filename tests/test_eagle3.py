@@ -20,8 +20,8 @@ from ppow_trl.data import compute_target_features
 from ppow_trl.drafters.eagle3 import Eagle3DrafterForCausalLM, context_features, target_features
 from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
-from ppow_trl.serving.rollout import draft_windows, target_window_probs
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.rollout import draft_windows, target_window_probs
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 LAYERS = [1, 2, 4]
 
@@ -463,7 +463,7 @@ def test_hf_route_applies_the_guard_as_our_loop_does(trained):
     plainly round by round and probes again, making the same decisions as our loop; output stays plain greedy."""
     import copy
 
-    from ppow_trl.serving.custom_generate.generate import guard_of
+    from ppow_trl.core.custom_generate.generate import guard_of
     from ppow_trl.drafters.eagle3 import attach_to_target
 
     target, drafter = trained["target"], trained["drafter"]

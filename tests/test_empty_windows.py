@@ -11,10 +11,10 @@ from conftest import make_target_and_drafters
 
 from ppow_trl.drafters.hybrid import hybrid_drafter
 from ppow_trl.serving.calibration import calibration_rollouts, family_variants
-from ppow_trl.serving.cost import CostModel
-from ppow_trl.serving.custom_generate.generate import SpeculationGuard
+from ppow_trl.core.cost import CostModel
+from ppow_trl.core.custom_generate.generate import SpeculationGuard
 from ppow_trl.serving.generation import exact_greedy_tau, greedy_continuation, speculative_generate
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy, policy_speedup, search_window_grid
+from ppow_trl.core.windowing import AdaptiveWindowPolicy, policy_speedup, search_window_grid
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,14 @@ from conftest import make_tiny_llama, make_tiny_tokenizer, tiny_word_responses
 from transformers import set_seed
 
 from ppow_trl.serving.assisted import load_assistant, save_assistant
-from ppow_trl.serving.cost import calibrate_cost_model
+from ppow_trl.core.cost import calibrate_cost_model
 from ppow_trl.data import compute_target_topk
 from ppow_trl.drafting import detect_family, drafting_session, family_names, family_of, get_family, load_drafter
 from ppow_trl.features import context_features
 from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
-from ppow_trl.serving.rollout import draft_windows
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.rollout import draft_windows
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 # How each family's drafter is built for the tiny 4-layer target, and how long KD trains it (0: not trained). A family
 # registered later without an entry is built with its defaults.
@@ -244,7 +244,7 @@ def test_empty_windows_are_lossless_and_hand_the_guard_what_exact_tau_replays(ca
     exact tau equals the loop, and at K = 1 (where the replay's windows are the served ones) the loop hands the guard
     the same ``(A, L, F, D)`` as the replay, with ``D = 1`` for each empty round (its drafter step ran). The hybrid's
     dropped first token may be a lookup (no drafter step), which the replay charges as drafted: left out there."""
-    from ppow_trl.serving.custom_generate.generate import SpeculationGuard
+    from ppow_trl.core.custom_generate.generate import SpeculationGuard
 
     target, drafter = case["target"], case["drafter"]
     guard = {"break_even_tokens": 1.2, "loss_budget": 3.0, "probe_every": 4, "max_pause": 16,

@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 from conftest import make_bigram_llama, make_tiny_llama, make_tiny_tokenizer
 from ppow_trl.serving.generation import exact_greedy_tau, speculative_generate
 from ppow_trl.models import check_compatibility
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 EOS = 3  # make_tiny_llama's eos_token_id
 
@@ -270,7 +270,7 @@ def test_sliding_window_target_rolls_back_after_rejections():
     from transformers import MistralConfig, MistralForCausalLM
 
     from ppow_trl.serving.generation import speculative_generate
-    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+    from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
     def mistral(seed, layers):
         torch.manual_seed(seed)

@@ -19,9 +19,9 @@ from conftest import make_target_and_drafters
 from ppow_trl import exact_greedy_tau, speculative_generate
 from ppow_trl.serving.assisted import load_assistant, save_assistant
 from ppow_trl.serving.calibration import calibrate_policy, guard_for_rule, guard_loss_budget
-from ppow_trl.serving.cost import CostModel
-from ppow_trl.serving.custom_generate.generate import SpeculationGuard, WindowBudget, guard_of
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy, accepted_spread_within, search_window_grid
+from ppow_trl.core.cost import CostModel
+from ppow_trl.core.custom_generate.generate import SpeculationGuard, WindowBudget, guard_of
+from ppow_trl.core.windowing import AdaptiveWindowPolicy, accepted_spread_within, search_window_grid
 
 GUARD = {"break_even_tokens": 1.5, "loss_budget": 2.0, "probe_every": 4, "max_pause": 16}
 

@@ -35,9 +35,9 @@ from huggingface_hub.hf_api import RepoUrl
 from huggingface_hub.utils import filter_repo_objects
 
 from ppow_trl.serving.assisted import load_assistant, load_cost_model, save_assistant
-from ppow_trl.serving.cost import CostModel
+from ppow_trl.core.cost import CostModel
 from ppow_trl.drafting import family_names, get_family
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 USER = "ppow-tester"
 BUILD = {  # as tests/test_families.py builds them for the tiny 4-layer target

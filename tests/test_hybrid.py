@@ -13,7 +13,7 @@ from ppow_trl.drafting import drafting_session, family_of, get_family
 from ppow_trl.serving.generation import greedy_continuation, speculative_generate
 from ppow_trl.drafters.hybrid import HybridDrafter, hybrid_drafter
 from ppow_trl.drafters.prompt_lookup import lookup_next_token
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +107,9 @@ def test_calibration_charges_the_drafter_only_for_the_tokens_it_proposed(models)
     """Batched rollouts mark each drafted token as charged (the model proposed it) or free (a lookup), matching the
     lookup itself position by position; the speedup and the guard's break-even charge t_d only for the former."""
     from ppow_trl.serving.calibration import calibration_rollouts
-    from ppow_trl.serving.cost import CostModel
-    from ppow_trl.serving.rollout import draft_windows
-    from ppow_trl.serving.windowing import policy_speedup
+    from ppow_trl.core.cost import CostModel
+    from ppow_trl.core.rollout import draft_windows
+    from ppow_trl.core.windowing import policy_speedup
 
     target, _, hybrid = models
     # repeated phrases (lookups find tokens) and distinct tokens (nothing to look up at first)

@@ -360,7 +360,7 @@ def test_eval_tau_is_exact_greedy_tau_on_the_eval_responses(setup, tmp_path):
     """eval_tau = tokens / rounds of exact_greedy_tau over the eval prompts, with their responses as the target's
     greedy text: checked against the live loop's output of each prompt."""
     from ppow_trl.serving.generation import speculative_generate
-    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+    from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
     target, tokenizer = setup["target"], setup["tokenizer"]
     greedy = build_target_responses(target, tokenizer, Dataset.from_list(

@@ -38,7 +38,7 @@ from ppow_trl.interop.llama_cpp_build import (
     quantized_eval_probe,
 )
 from ppow_trl.models import truncate_model
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 llama_cpp = pytest.importorskip("llama_cpp", reason=f"llama-cpp-python is not installed: {LLAMA_CPP_INSTALL}")
 

@@ -71,7 +71,7 @@ def test_saved_drafter_through_the_hook_is_lossless(main_job):
 
     from ppow_trl.serving.assisted import load_assistant
     from ppow_trl.drafters.standalone import attach_window_policy
-    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+    from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
     out, _, cache = main_job
     target_folder = cache / "SmolLM2-135M-Instruct"

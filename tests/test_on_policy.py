@@ -7,8 +7,8 @@ import torch
 from conftest import make_tiny_llama
 
 from ppow_trl.training.on_policy import on_policy_loss, on_policy_teacher, train_on_policy
-from ppow_trl.serving.rollout import draft_windows
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.rollout import draft_windows
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 VOCAB = 64
 

@@ -1,6 +1,7 @@
-"""How the compiled runtime builds its packages (ppow_trl.serving.packaged, ppow_trl.serving.inductor_settings) and
-keeps them on disk (ppow_trl.serving.package_store): how many at once, the template memo that compiling runs under,
-and the disk the store may take. Nothing here compiles; the builds themselves are checked in test_compiled.py."""
+"""How the compiled runtime builds its packages (ppow_trl.compiled_runtime.packaged,
+ppow_trl.compiled_runtime.inductor_settings) and keeps them on disk (ppow_trl.compiled_runtime.package_store): how many
+at once, the template memo that compiling runs under, the worker processes' import, and the disk the store may take.
+Nothing here compiles; the builds themselves are checked in test_compiled.py."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import types
 import pytest
 import torch
 
-import ppow_trl.serving.package_store as store
-import ppow_trl.serving.packaged as packaged
-from ppow_trl.serving.inductor_settings import CompileSettings, compile_context
+import ppow_trl.compiled_runtime.package_store as store
+import ppow_trl.compiled_runtime.packaged as packaged
+from ppow_trl.compiled_runtime.inductor_settings import CompileSettings, compile_context
 
 GB = 2**30
 
@@ -177,7 +178,7 @@ def test_store_budget_from_the_environment(monkeypatch):
             store.store_budget_bytes()
     from conftest import make_tiny_llama
 
-    from ppow_trl.serving.compiled import CompiledCausalLM
+    from ppow_trl.compiled_runtime.compiled import CompiledCausalLM
 
     with pytest.raises(ValueError, match="PPOW_TRL_PACKAGE_STORE_GB"):  # before any compiling, not a fallback
         CompiledCausalLM(make_tiny_llama(), max_rows=2, max_cache_len=32)
@@ -235,3 +236,21 @@ def test_a_disk_that_cannot_hold_the_packages_serves_eagerly_before_compiling(mo
         served = serving_runtime(make_tiny_llama(), None, max_window=2, max_cache_len=32, progress=False)
     assert served.name == "eager" and "NotEnoughDisk" in served.fallback and "runtime: eager" in served.fallback
     assert not compiled and "Compiled runtime unavailable (NotEnoughDisk" in caplog.text
+
+
+def test_a_build_worker_imports_the_serving_processes_packaged_module(tmp_path):
+    """A build worker's command imports ``packaged`` by the module's own name, from the folder the serving process puts
+    first on its import path (no FutureWarning of an old path), and stops when that file is not the serving process's
+    ``packaged.py``: here the expected file is another one, so the worker exits before compiling, naming both."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    assert "from ppow_trl.compiled_runtime.packaged import _build_in_worker" in packaged._WORKER
+    here = Path(packaged.__file__).resolve()
+    package_parent = str(here.parents[2])  # as _build_each computes it
+    done = subprocess.run([sys.executable, "-c", packaged._WORKER, package_parent, "step.pt2", "rows1.pt2", "{}", "1",
+                           "/elsewhere/packaged.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode != 0
+    assert f"This worker imported {here}, the serving process /elsewhere/packaged.py" in done.stderr
+    assert "FutureWarning" not in done.stderr

@@ -9,14 +9,15 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from ppow_trl.serving.cost import CostModel, speedup
+from ppow_trl.core.cost import CostModel, speedup
 from ppow_trl.models import make_drafter
 from ppow_trl.training.ppow_config import PPOWConfig
 from ppow_trl.training.ppow_trainer import PPOWTrainer
-from ppow_trl.serving.rewards import proximity_reward
-from ppow_trl.serving.rollout import draft_windows, target_window_probs
-from ppow_trl.serving.verification import acceptance_probabilities, expected_accepted_length, prefix_acceptance_probabilities
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.rewards import proximity_reward
+from ppow_trl.core.rollout import draft_windows, target_window_probs
+from ppow_trl.core.verification import (acceptance_probabilities, expected_accepted_length,
+                                        prefix_acceptance_probabilities)
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 from conftest import easy_hard_bigram_table, make_bigram_llama, make_tiny_llama, make_tiny_tokenizer
 

@@ -1,5 +1,5 @@
-"""The target's serving precision (``ppow_trl.serving.precision``): int8 weight-only layers against the formula they
-state, conversion of a copy, and speculative == plain decoding on the same converted target on the eager runtime,
+"""The target's serving precision (``ppow_trl.compiled_runtime.precision``): int8 weight-only layers against the formula
+they state, conversion of a copy, and speculative == plain decoding on the same converted target on the eager runtime,
 with a warning (on a real model the eager kernels round a verify pass a little differently from a decode step, so a
 token may differ at a near tie; the compiled int8 graphs, bitwise row-independent, are checked in
 ``test_compiled.py``)."""
@@ -11,9 +11,9 @@ import torch
 
 from conftest import make_target_and_drafters, make_tiny_llama
 from ppow_trl.serving.generation import speculative_generate
-from ppow_trl.serving.precision import Int8WeightOnlyLinear, int8_supported, precision_of, serving_precision
+from ppow_trl.compiled_runtime.precision import Int8WeightOnlyLinear, int8_supported, precision_of, serving_precision
 from ppow_trl.serving.runtime import serving_runtime
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 
 def test_int8_layer_is_the_product_with_its_dequantized_weight():
@@ -48,7 +48,7 @@ def test_serving_precision_converts_a_copy_and_keeps_the_fp32_model():
     quantized = [m for m in int8.modules() if isinstance(m, Int8WeightOnlyLinear)]
     assert len(quantized) == sum(int8_supported(m) for m in linears) > 0
     assert int8.lm_head.__class__ is Int8WeightOnlyLinear  # the tied head has its own int8 copy
-    # int8 weights only: the embedding, norms and stream stay fp32 (ppow_trl.serving.precision)
+    # int8 weights only: the embedding, norms and stream stay fp32 (ppow_trl.compiled_runtime.precision)
     assert int8.get_input_embeddings().weight.dtype == torch.float32
     assert [precision_of(m) for m in (model, bf16, int8)] == ["fp32", "bf16", "int8"]
     # one copy per model and precision (the trainer's cost model and the served runtime share its compiled graphs)

@@ -12,7 +12,7 @@ from conftest import first_two_tokens_test, make_bigram_llama, make_tiny_llama
 from ppow_trl.drafting import get_family
 from ppow_trl.serving.generation import speculative_generate
 from ppow_trl.drafters.prompt_lookup import lookup_next_token
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 
 def brute_force_lookup(sequence, max_n, min_n):
@@ -130,7 +130,7 @@ def test_calibration_fits_the_hit_rates_and_a_threshold_then_drafts_only_on_matc
     them (and the served rule's sentence names them), a threshold of 1/2 then ends a window at a unigram lookup and not
     at a trigram one, and decoding stays lossless."""
     from ppow_trl.serving.calibration import calibrate_policy
-    from ppow_trl.serving.cost import CostModel
+    from ppow_trl.core.cost import CostModel
 
     target = make_tiny_llama(vocab_size=64, num_layers=1)
     drafter = get_family("prompt_lookup").build(target)

@@ -67,16 +67,17 @@ TOP_LEVEL_NAMES = [
 # What stands at the top of ppow_trl/: the package's face, the modules every subpackage shares (the family registry,
 # the target features, the reduced-vocabulary drafter model, batching, models, utilities), the demo, and the
 # subpackages. A new module goes into a subpackage; adding one here is a decision about the layout. `caches` (the
-# `python -m ppow_trl.caches` command) reads the cache layouts of data/ and serving/, so it stands above both, like demo.
+# `python -m ppow_trl.caches` command) reads the cache layouts of data/ and compiled_runtime/, so it stands above both,
+# like demo.
 TOP_LEVEL_MODULES = {
     "__init__", "_compat", "_moved", "batching", "build_once", "caches", "demo", "drafter", "drafting", "features",
     "models",
     "offline", "padding", "utils",
-    "bench", "data", "drafters", "interop", "metrics", "serving", "study", "training",
+    "bench", "compiled_runtime", "core", "data", "drafters", "interop", "metrics", "serving", "study", "training",
 }
 
-SUBPACKAGES = ("ppow_trl.serving", "ppow_trl.training", "ppow_trl.drafters", "ppow_trl.interop",
-               "ppow_trl.drafters.eagle3", "ppow_trl.drafters.dflash")
+SUBPACKAGES = ("ppow_trl.core", "ppow_trl.compiled_runtime", "ppow_trl.serving", "ppow_trl.training",
+               "ppow_trl.drafters", "ppow_trl.interop", "ppow_trl.drafters.eagle3", "ppow_trl.drafters.dflash")
 
 
 def test_top_level_names():
@@ -140,9 +141,30 @@ def test_old_from_imports_of_names_work():
         from ppow_trl.eagle3.family import Eagle3Family
         from ppow_trl.verification import greedy_verify
     from ppow_trl.drafters.eagle3.family import Eagle3Family as new_family
-    from ppow_trl.serving.verification import greedy_verify as new_verify
+    from ppow_trl.core.verification import greedy_verify as new_verify
 
     assert Eagle3Family is new_family and greedy_verify is new_verify
+
+
+def test_what_left_the_serving_package_resolves_through_it_with_a_warning(monkeypatch):
+    """``ppow_trl.serving`` exported the core's and the compiled runtime's names before they moved out: they resolve
+    there still, as the same objects, with a FutureWarning naming the new package; so do the modules that left it, as
+    attributes."""
+    import ppow_trl.core
+    import ppow_trl.compiled_runtime
+    from ppow_trl import serving
+
+    for package, name in ((ppow_trl.core, "CostModel"), (ppow_trl.core, "greedy_verify"),
+                          (ppow_trl.compiled_runtime, "CompiledCausalLM")):
+        monkeypatch.delitem(vars(serving), name, raising=False)
+        with pytest.warns(FutureWarning, match=rf"ppow_trl.serving.{name} moved to {package.__name__}.{name}"):
+            assert getattr(serving, name) is getattr(package, name)
+    monkeypatch.delitem(vars(serving), "rewards", raising=False)
+    monkeypatch.delitem(sys.modules, "ppow_trl.serving.rewards", raising=False)
+    with pytest.warns(FutureWarning, match="ppow_trl.serving.rewards moved to ppow_trl.core.rewards"):
+        assert serving.rewards is importlib.import_module("ppow_trl.core.rewards")
+    with pytest.raises(AttributeError):
+        serving.no_such_name  # noqa: B018
 
 
 def test_the_old_serving_module_is_the_serving_package():

@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppow_trl.serving.cost import CostModel, calibrate_cost_model, overall_speedup, speedup
-from ppow_trl.serving.rewards import divergence, js_divergence, kl_divergence, proximity_reward, total_variation, window_reward
-from ppow_trl.serving.verification import lengths_to_mask
+from ppow_trl.core.cost import CostModel, calibrate_cost_model, overall_speedup, speedup
+from ppow_trl.core.rewards import (divergence, js_divergence, kl_divergence, proximity_reward, total_variation,
+                                   window_reward)
+from ppow_trl.core.verification import lengths_to_mask
 
 from conftest import make_tiny_llama
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from ppow_trl.serving.rollout import draft_windows, left_pad, target_window_probs, length_buckets
-from ppow_trl.serving.verification import greedy_accepted_length
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.rollout import draft_windows, left_pad, target_window_probs, length_buckets
+from ppow_trl.core.verification import greedy_accepted_length
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 
 def random_contexts(seed, count=5, vocab=64):

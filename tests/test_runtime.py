@@ -65,7 +65,7 @@ def test_loop_overhead_is_the_host_work_the_forwards_do_not_explain(models, monk
     import time
 
     from ppow_trl.serving import generation
-    from ppow_trl.serving.cost import calibrate_cost_model
+    from ppow_trl.core.cost import calibrate_cost_model
     from ppow_trl.serving.runtime import measure_loop_overhead
 
     target, close = models
@@ -113,8 +113,8 @@ def test_a_drafter_served_at_another_precision_proposes_from_a_converted_copy_an
     every token, so the drafter's precision moves only tau."""
     from ppow_trl.drafters.hybrid import hybrid_drafter
     from ppow_trl.serving.generation import speculative_generate
-    from ppow_trl.serving.precision import precision_of
-    from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+    from ppow_trl.compiled_runtime.precision import precision_of
+    from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
     target, close = models
     served = serving_runtime(target, close, runtime="eager", max_window=3, drafter_precision=precision)

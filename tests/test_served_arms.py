@@ -10,7 +10,7 @@ import torch
 from conftest import make_target_and_drafters
 
 from ppow_trl.bench.served import Arm, compare_arms, format_arms, generate_arm, loop_arm
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from ppow_trl.study.evaluate import (
     sampled_records,
     summarize,
 )
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 
 def _records(seed, n=40, scale=1.0):

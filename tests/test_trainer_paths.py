@@ -16,13 +16,13 @@ import pytest
 import torch
 from datasets import Dataset
 
-from ppow_trl.serving.cost import CostModel, speedup
-from ppow_trl.serving.credit import per_position_advantages, per_position_credit
+from ppow_trl.core.cost import CostModel, speedup
+from ppow_trl.core.credit import per_position_advantages, per_position_credit
 from ppow_trl.models import make_drafter
 from ppow_trl.training.ppow_config import PPOWConfig
 from ppow_trl.training.ppow_trainer import PPOWTrainer
-from ppow_trl.serving.rollout import draft_windows, positions_from_mask
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.rollout import draft_windows, positions_from_mask
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 from conftest import make_tiny_llama, make_tiny_tokenizer
 

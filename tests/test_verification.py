@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppow_trl.serving.verification import (
+from ppow_trl.core.verification import (
     acceptance_histogram,
     acceptance_probabilities,
     expected_accepted_length,
@@ -218,7 +218,7 @@ def test_greedy_is_speculative_sampling_with_one_hot_distributions():
 def test_greedy_verify_one_is_greedy_verify_of_the_one_hot_target():
     """The generation loop's greedy path (argmaxes, no one-hot) against ``greedy_verify`` on every window length,
     including ties in the logits (both take the first maximum) and the empty window."""
-    from ppow_trl.serving.verification import greedy_verify_one
+    from ppow_trl.core.verification import greedy_verify_one
 
     g = torch.Generator().manual_seed(8)
     for trial in range(200):
@@ -260,7 +260,7 @@ def test_bad_shapes_raise_clear_errors():
 
 
 def test_window_prefix_acceptance_sums_to_the_accepted_length():
-    from ppow_trl.serving.verification import window_prefix_acceptance
+    from ppow_trl.core.verification import window_prefix_acceptance
 
     g = torch.Generator().manual_seed(7)
     p = random_probs(g, 6, 5, 8)
@@ -292,7 +292,7 @@ def test_sample_categorical_draws_the_given_distribution():
     """Inverse-CDF sampling: chi-square against the distribution; zero-probability entries are never drawn."""
     from scipy.stats import chisquare
 
-    from ppow_trl.serving.verification import sample_categorical
+    from ppow_trl.core.verification import sample_categorical
 
     g = torch.Generator().manual_seed(0)
     probs = torch.tensor([[0.5, 0.0, 0.2, 0.3, 0.0], [0.0, 0.1, 0.0, 0.0, 0.9]])

@@ -9,8 +9,8 @@ import torch
 
 from ppow_trl.serving.assisted import load_assistant, save_assistant
 from ppow_trl.serving.generation import speculative_generate
-from ppow_trl.serving.rollout import draft_windows
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.rollout import draft_windows
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 from test_assisted import generate, make_models, prompts, spy, without_eos
 

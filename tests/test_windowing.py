@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppow_trl.serving.cost import CostModel
-from ppow_trl.serving.rewards import kl_divergence
-from ppow_trl.serving.windowing import (
+from ppow_trl.core.cost import CostModel
+from ppow_trl.core.rewards import kl_divergence
+from ppow_trl.core.windowing import (
     AdaptiveWindowPolicy,
     search_window_grid,
     divergence_scores,

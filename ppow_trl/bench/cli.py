@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from ..serving.cost import CostModel, calibrate_cost_model
+from ..core.cost import CostModel, calibrate_cost_model
 from ..data import PROMPT_SOURCES, encode_prompt, load_prompts
 from ..drafting import detect_family, family_names, get_family
 from ..models import check_compatibility, load_target, make_drafter
 from ..utils import set_cpu_threads
-from ..serving.windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
+from ..core.windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
 from . import __doc__ as PROTOCOL  # the package docstring: the --help text
 from .report import format_markdown, write_outputs
 from .runners import DEFAULT_METHODS, METHODS, MODES, BenchDrafter

@@ -16,7 +16,7 @@ import torch
 from ..metrics import summarize
 from ..serving.rule import describe_serving_rule
 from ..utils import cpu_name
-from ..serving.verification import acceptance_histogram
+from ..core.verification import acceptance_histogram
 from .runners import DRAFTER_METHODS, FAST_METHODS, METHODS, BenchDrafter
 
 # (method, baseline): figures reported as median/p25/p75 of per-prompt tokens/s ratios

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..serving.cost import CostModel
+from ..core.cost import CostModel
 from ..drafting import family_of
 from ..serving.generation import speculative_generate
-from ..serving.windowing import AdaptiveWindowPolicy
+from ..core.windowing import AdaptiveWindowPolicy
 
 METHODS = (
     "target", "hf_assisted", "hf_heuristic", "hf_confidence", "prompt_lookup", "hook", "fast_fixed", "fast_adaptive",

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from ..serving.generation import speculative_generate
-from ..serving.windowing import AdaptiveWindowPolicy
+from ..core.windowing import AdaptiveWindowPolicy
 
 
 @dataclass

@@ -2,9 +2,9 @@
 ``eagle3`` (heads reading the target's hidden states), ``dflash`` (block drafters on transformers' native route),
 ``prompt_lookup`` (n-grams of the text itself) and ``hybrid`` (prompt lookup where the text repeats, a trained
 drafter elsewhere). Each implements the family protocol of ``ppow_trl.drafting``, whose registry finds them by
-module name, and serves through ``ppow_trl.serving``'s window rule. The protocol, the target features
+module name, and serves through the window rule of ``ppow_trl.core.windowing``. The protocol, the target features
 (``ppow_trl.features``) and the reduced-vocabulary drafter model (``ppow_trl.drafter``) sit below both, at the top of
-the package: the serving loop asks the registry, and the families use the serving side's rule.
+the package: the serving loop asks the registry, and the families use the core's rule.
 """
 
 from . import dflash, eagle3

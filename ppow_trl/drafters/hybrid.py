@@ -43,7 +43,7 @@ from .prompt_lookup import (PromptLookupDrafter, PromptLookupSession, check_look
                             fit_lookup_config)
 from ..models import logits_width
 from ..utils import is_peft_model, unwrap_model
-from ..serving.windowing import configure_generation_config
+from ..core.windowing import configure_generation_config
 
 INNER_FOLDER = "drafter"
 """The subfolder of a saved hybrid holding its trained drafter."""

@@ -34,7 +34,7 @@ from ._family_io import read_config
 from ..serving.assistant_loop import check_assistant_call, draft_window
 from ..batching import shift_rows
 from ..drafting import DrafterFamily
-from ..serving.windowing import configure_generation_config
+from ..core.windowing import configure_generation_config
 
 
 class PromptLookupConfig(PretrainedConfig):

@@ -3,7 +3,7 @@
 A truncated target (``ppow_trl.models.make_drafter(target, num_layers=...)``), a small LM of the same tokenizer, or
 a ``PPOWDrafterForCausalLM`` (reduced-vocabulary head). Its drafting state is its own KV cache; HF's assisted
 generation calls it as a causal LM, with ppow_trl's window rule installed as its ``generate``
-(``attach_window_policy``, defined with the window rule in ``ppow_trl.serving.windowing``; the folder's copy is
+(``attach_window_policy``, defined with the window rule in ``ppow_trl.core.windowing``; the folder's copy is
 ``custom_generate/generate.py``).
 """
 
@@ -22,7 +22,7 @@ from ..features import forward_at, target_forward
 from ..interop.gguf_export import export_gguf, gguf_files, load_gguf_drafter
 from ..models import make_drafter
 from ..utils import PEFT_ASSISTANT_MESSAGE, crop_cache, unwrap_model
-from ..serving.windowing import attach_window_policy, configure_generation_config
+from ..core.windowing import attach_window_policy, configure_generation_config
 
 
 class StandaloneSession:

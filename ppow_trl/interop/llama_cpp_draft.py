@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..serving.custom_generate.generate import keep_drafting, window_confidence
+from ..core.custom_generate.generate import keep_drafting, window_confidence
 from .llama_cpp_build import amx_fault_expected, amx_fault_message
 from ..utils import default_cpu_threads
-from ..serving.windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
+from ..core.windowing import WINDOW_POLICY_FILE, AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .custom_generate.generate import PPOWWindowCriteria, _applied_temperature, guard_of, ppow_window_policy
+from ..core.custom_generate.generate import PPOWWindowCriteria, _applied_temperature, guard_of, ppow_window_policy
 
 
 def check_assistant_call(generation_config, input_ids, family: str) -> None:

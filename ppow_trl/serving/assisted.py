@@ -15,7 +15,7 @@ Route (transformers 5.24, checked in its ``generation/candidate_generator.py`` a
 So a drafter folder gets a generation config set for HF (``configure_generation_config``:
 ``num_assistant_tokens = K``, schedule ``"constant"`` so HF never changes K, ``assistant_confidence_threshold = 0``:
 HF's per-token rule and its ROC-based re-tuning are off, and the policy under ``ppow_window_policy``), and
-the hook is ``ppow_trl/serving/custom_generate/generate.py``, a module of this package that ``save_assistant`` copies
+the hook is ``ppow_trl/core/custom_generate/generate.py``, a module of this package that ``save_assistant`` copies
 verbatim into the folder. Its ``generate`` adds, only when HF calls it as an assistant, a stopping criterion
 implementing our running-product rule (``AdaptiveWindowPolicy``): after the ``i``-th drafted token, stop unless
 ``prod_{j<=i} conf_j >= h`` and ``i < K``, ``conf_j = max_v softmax(z_j / T_c)`` of the drafter's raw logits at
@@ -50,7 +50,7 @@ What the user writes:
 
   Then transformers executes two files of the repo, at the revision it fetched:
 
-  * ``custom_generate/generate.py`` (always): a byte-identical copy of ``ppow_trl/serving/custom_generate/generate.py``
+  * ``custom_generate/generate.py`` (always): a byte-identical copy of ``ppow_trl/core/custom_generate/generate.py``
     of the ppow_trl version that saved it. On import it imports copy, json, os, torch and transformers'
     stopping criteria and defines functions; each ``generate`` call may read ``ppow_window_policy.json`` next
     to the weights, copies the generation config, appends the stopping criterion and calls the model class's
@@ -93,11 +93,12 @@ import shutil
 from pathlib import Path
 
 from .. import drafter as drafter_module
-from .cost import CostModel
-from .custom_generate import generate as _custom_generate_module
+from ..core.cost import CostModel
+from ..core.custom_generate import generate as _custom_generate_module
 from ..drafting import HUB_KWARGS, detect_family, family_of
 from ..utils import PEFT_ASSISTANT_MESSAGE, _looks_like_repo_id, is_peft_model, load_json
-from .windowing import (  # noqa: F401  (attach_window_policy, policy_dict and configure_generation_config are public here too)
+# attach_window_policy, policy_dict and configure_generation_config are public here too
+from ..core.windowing import (  # noqa: F401
     GENERATION_CONFIG_KEY,
     WINDOW_POLICY_FILE,
     AdaptiveWindowPolicy,
@@ -109,7 +110,7 @@ from .windowing import (  # noqa: F401  (attach_window_policy, policy_dict and c
 
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 HOOK_SOURCE = Path(_custom_generate_module.__file__)
-"""``ppow_trl/serving/custom_generate/generate.py``: the file ``write_assistant_files`` copies into drafter folders."""
+"""``ppow_trl/core/custom_generate/generate.py``: the file ``write_assistant_files`` copies into drafter folders."""
 
 
 
@@ -155,7 +156,7 @@ def write_assistant_files(folder, policy: AdaptiveWindowPolicy, cost_model: Cost
     """Write everything ``save_assistant`` writes except the weights, config and tokenizer; returns the folder.
 
     ``ppow_window_policy.json``, ``ppow_cost_model.json`` (if ``cost_model``), ``custom_generate/generate.py``
-    (a byte-identical copy of ``ppow_trl/serving/custom_generate/generate.py``) and, when the folder holds a model
+    (a byte-identical copy of ``ppow_trl/core/custom_generate/generate.py``) and, when the folder holds a model
     (``generation_config.json`` or ``config.json``), its ``generation_config.json`` updated by
     ``configure_generation_config``. An adapter-only folder (PEFT) gets no generation config: it is not read
     from there (see the module docstring; merge first). ``hook=False`` (a family with a native route of its own,

@@ -22,10 +22,10 @@ import torch
 
 from ..drafting import family_of
 from ..utils import unwrap_model
-from .cost import CostModel
-from .rollout import verify_windows
-from .windowing import (AdaptiveWindowPolicy, accepted_spread_within, chosen_rule, expected_accepted_within, policy_speedup,
-                        search_window_grid)
+from ..core.cost import CostModel
+from ..core.rollout import verify_windows
+from ..core.windowing import (AdaptiveWindowPolicy, accepted_spread_within, chosen_rule, expected_accepted_within,
+                              policy_speedup, search_window_grid)
 
 REGIMES = ("greedy", "sampling", "both")
 DEFAULT_THRESHOLDS = tuple(i / 20 for i in range(20))

@@ -41,7 +41,7 @@ from ..drafting import check_window, drafting_session
 from ..features import forward_at
 from ..models import logits_width
 from ..utils import crop_cache
-from .verification import (
+from ..core.verification import (
     acceptance_histogram,
     greedy_verify_one,
     probabilities_from_logits,
@@ -49,7 +49,7 @@ from .verification import (
     speculative_sampling_verify,
 )
 from ..metrics.speculative_decoding.summary import TAU_CONVENTION  # the one text, also the metric module's
-from .windowing import AdaptiveWindowPolicy
+from ..core.windowing import AdaptiveWindowPolicy
 
 
 

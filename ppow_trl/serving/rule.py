@@ -15,9 +15,9 @@ import torch
 
 from ..utils import is_peft_model
 from .calibration import calibrate_policy, guard_for_rule
-from .cost import CostModel
+from ..core.cost import CostModel
 from .runtime import ServingRuntime
-from .windowing import SERVED_MIN_SPEEDUP, AdaptiveWindowPolicy
+from ..core.windowing import SERVED_MIN_SPEEDUP, AdaptiveWindowPolicy
 
 DEFAULT_GUARD = {"loss_spreads": 5.0, "probe_every": 32, "max_pause": 512, "across_generations": True}
 """The online guard's settings (``SpeculationGuard``, ``guard_for_rule``): pause once speculation has lost

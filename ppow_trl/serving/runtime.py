@@ -1,4 +1,5 @@
-"""The runtime a target and its drafter serve on: ``"compiled"`` (``ppow_trl.serving.compiled``) or ``"eager"``.
+"""The runtime a target and its drafter serve on: ``"compiled"`` (``ppow_trl.compiled_runtime.compiled``) or
+``"eager"``.
 
 ``serving_runtime(target, drafter, runtime="compiled", max_window=K)`` is the one place that decides how the models
 run when they serve, and the cost model, the calibration of the served rule, the recipe and the benchmarks all go
@@ -12,11 +13,11 @@ through it: the costs a rule is chosen on are the costs of the runtime that serv
   the head itself runs eagerly (its family does not compile it).
 - ``"eager"``: the models as they are.
 
-``precision`` (``"fp32"``, ``"bf16"``, ``"int8"``: ``ppow_trl.serving.precision``) converts a copy of the target
-before either runtime: fewer bytes read per token. The drafter keeps its own precision unless ``drafter_precision``
-names one (a converted copy of a causal-LM drafter, the hybrid's included): the drafter only proposes and the target
-decides every token, so its precision changes which tokens are accepted (tau) and what a draft step costs
-(``t_d``), never the output.
+``precision`` (``"fp32"``, ``"bf16"``, ``"int8"``: ``ppow_trl.compiled_runtime.precision``) converts a copy of the
+target before either runtime: fewer bytes read per token. The drafter keeps its own precision unless
+``drafter_precision`` names one (a converted copy of a causal-LM drafter, the hybrid's included): the drafter only
+proposes and the target decides every token, so its precision changes which tokens are accepted (tau) and what a
+draft step costs (``t_d``), never the output.
 
 When compiling is not possible (no C++ compiler, a model inductor cannot trace, a failed warm-up), one warning line
 says why and the models serve eagerly: a user gets a slower answer, never a crash. ``ServingRuntime.name`` then says
@@ -34,13 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .compiled import CompiledCausalLM, CompileSettings
-from .precision import check_precision, serving_precision
-from .cost import CostModel, calibrate_cost_model
+from ..compiled_runtime.compiled import CompiledCausalLM, CompileSettings
+from ..compiled_runtime.precision import check_precision, serving_precision
+from ..core.cost import CostModel, calibrate_cost_model
 from ..drafting import family_of
 from ..models import logits_width
 from .generation import speculative_generate
-from .windowing import AdaptiveWindowPolicy
+from ..core.windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +285,7 @@ def serving_runtime(target, drafter=None, *, runtime: str = "compiled", max_wind
 
 def _warn_low_precision(precision: str, drafter) -> None:
     """Speculation on a bf16/int8 target is not lossless unless its rows are independent of the row count
-    (``ppow_trl.serving.precision``): say so."""
+    (``ppow_trl.compiled_runtime.precision``): say so."""
     if precision != "fp32" and drafter is not None:
         logger.warning("Speculative decoding on a %s target is not lossless here: its logits round to bf16 (near "
                        "ties), and these kernels round a verify pass a little differently from a decode step, so "

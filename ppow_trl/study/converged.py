@@ -181,7 +181,7 @@ def run_arm(family: str, arm: str, seed: int, config: ConvergedConfig, results: 
     from ..serving.assisted import load_cost_model, save_assistant
     from ..data import stop_token_ids
     from ..utils import set_cpu_threads
-    from ..serving.windowing import AdaptiveWindowPolicy
+    from ..core.windowing import AdaptiveWindowPolicy
     from .runner import _load, _load_drafter, _probe, _result, evaluate_arm
 
     if arm not in ARMS:
@@ -316,7 +316,7 @@ def resample_sampling(path: Path, work: Path = WORK) -> None:
     """Recompute a finished result's T = 1 records with ``SAMPLES_PER_CONTEXT`` windows per prompt, from its saved
     drafter (results written before the evaluation drew several windows per prompt)."""
     from ..utils import set_cpu_threads
-    from ..serving.windowing import AdaptiveWindowPolicy
+    from ..core.windowing import AdaptiveWindowPolicy
     from .evaluate import sampled_records
     from .runner import _load, _load_drafter
 

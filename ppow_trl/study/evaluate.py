@@ -24,7 +24,7 @@ import torch
 
 from ..serving.calibration import calibration_rollouts, held_out_contexts
 from ..serving.generation import exact_greedy_tau
-from ..serving.windowing import AdaptiveWindowPolicy, expected_accepted_within
+from ..core.windowing import AdaptiveWindowPolicy, expected_accepted_within
 
 
 # T = 1 windows per test prompt of the converged study: E[A|y] averaged over 8 drafted windows (one sample gave

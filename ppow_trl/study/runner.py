@@ -96,7 +96,7 @@ def prepare_data(config: StudyConfig) -> dict:
 
 
 def _probe(target, calibration, config: StudyConfig, vocab: int, eos: list[int]):
-    from ..serving.windowing import AdaptiveWindowPolicy
+    from ..core.windowing import AdaptiveWindowPolicy
     from .evaluate import greedy_records, summarize
 
     fixed = AdaptiveWindowPolicy(config.probe_max_window)
@@ -119,7 +119,7 @@ def evaluate_arm(target, tokenizer, drafter, policy, tests, config: StudyConfig,
                  samples_per_context: int = 1) -> dict:
     """Greedy records at the saved policy and at fixed K (``rules``) on every test set; T = 1 records on
     ``sampling_sets``."""
-    from ..serving.windowing import AdaptiveWindowPolicy
+    from ..core.windowing import AdaptiveWindowPolicy
     from .evaluate import greedy_records, sampled_records
 
     vocab = len(tokenizer)
@@ -183,7 +183,7 @@ def _cost_and_policy(target, tokenizer, drafter, calibration, config: StudyConfi
     """A KD drafter's measured cost model and its greedy window rule calibrated on the held-out responses (as
     PPOWTrainer does at the end of train(): 4 contexts per response)."""
     from ..serving.calibration import calibrate_policy, held_out_contexts
-    from ..serving.cost import calibrate_cost_model
+    from ..core.cost import calibrate_cost_model
 
     cost = calibrate_cost_model(target, drafter, config.max_window, repeats=9)
     contexts = held_out_contexts(calibration["prompt_ids"], calibration["response_ids"], 4)
@@ -260,7 +260,7 @@ def _train_kd(arm: Arm, config: StudyConfig, target, tokenizer, train, draft_voc
 def _train_ppow(arm: Arm, config: StudyConfig, target, tokenizer, train, calibration, probe, work: Path):
     from peft import LoraConfig
 
-    from ..serving.cost import calibrate_cost_model
+    from ..core.cost import calibrate_cost_model
     from ..training.ppow_config import PPOWConfig
     from ..training.ppow_trainer import PPOWTrainer
     from .budget import TrainingBudget

@@ -4,7 +4,7 @@ distillation (``on_policy``), and what they train on: the contexts windows start
 log-probs of the loss (``window_logprobs``), rewards from the training text itself (``cached_verification``), the
 held-out metrics (``held_out``) and the model card a trained drafter is saved with (``model_card``). TRL's private
 touch points are checked in one place (``_trl_compat``). Windows are drafted, verified and rewarded by
-``ppow_trl.serving``'s rollout path, the same one calibration runs.
+the rollout path of ``ppow_trl.core`` (``ppow_trl.core.rollout``), the same one calibration runs.
 """
 
 from .cached_verification import verify_windows_from_cache

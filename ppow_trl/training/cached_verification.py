@@ -8,10 +8,11 @@ greedy text, greedy verification of a window ``y`` drafted after ``c`` reads not
 
 and the target's greedy distribution at a verified position ``i`` (one-hot at its argmax) is ``onehot(r_{s+i})``.
 Verification reaches positions ``i <= min(A + 1, L)``: the matched ones and the first mismatch, every one of them on
-the cached path. So ``A``, ``R_speed`` and ``R_prox`` over the reached positions (``ppow_trl.serving.rollout.reached_positions``)
-need no target forward. The one case the cache cannot serve: a window that matched every token left in the cached
-text and runs past its end (the response was cut at ``max_new_tokens``, or the window continues past its EOS); that
-row is verified by the target, exactly as ``rollout.verify_windows`` would.
+the cached path. So ``A``, ``R_speed`` and ``R_prox`` over the reached positions
+(``ppow_trl.core.rollout.reached_positions``) need no target forward. The one case the cache cannot serve: a window
+that matched every token left in the cached text and runs past its end (the response was cut at ``max_new_tokens``,
+or the window continues past its EOS); that row is verified by the target, exactly as ``rollout.verify_windows``
+would.
 
 What the cache cannot give (use ``reward_source="target"``): T = 1 rewards (``E[A|y]`` and ``R_prox`` against
 ``p(. | c, y_<i)`` after a rejected-but-kept token sit off the cached path), ``R_prox`` over positions past the first
@@ -24,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from ..serving.rollout import VerifiedWindows, draft_windows, target_window_probs
-from ..serving.verification import window_prefix_acceptance
-from ..serving.windowing import AdaptiveWindowPolicy
+from ..core.rollout import VerifiedWindows, draft_windows, target_window_probs
+from ..core.verification import window_prefix_acceptance
+from ..core.windowing import AdaptiveWindowPolicy
 
 PAST_TEXT = -1  # a position past the end of the cached text in ``next_tokens``
 

@@ -21,8 +21,8 @@ from datasets import Dataset
 from ..batching import left_pad, positions_from_mask
 from ..drafting import family_of, target_layer_ids
 from ..features import target_forward
-from ..serving.verification import probabilities_from_logits
-from ..serving.windowing import divergence_scores
+from ..core.verification import probabilities_from_logits
+from ..core.windowing import divergence_scores
 
 SELECTOR_STATE_FILE = "ppow_context_selector.pt"
 LEGACY_SELECTOR_STATE_FILE = "ppow_context_selector.json"  # written before the tensor file; still loads
@@ -223,7 +223,7 @@ class ContextSelector:
     Args:
         lengths: candidates per sequence, ``(S,)`` (``ContextPool.lengths``); candidate ``i`` of sequence
             ``s`` is ``offsets[s] + t``. An ``int`` ``N`` means ``N`` candidates with no sequence structure.
-        beta, eps, uniform_share: as in ``ppow_trl.serving.windowing.window_start_probabilities``.
+        beta, eps, uniform_share: as in ``ppow_trl.core.windowing.window_start_probabilities``.
         seed: with the round index, seeds each round's draw.
 
     Unscored candidates get the mean scored value, so a partial refresh neither starves nor favours them.

@@ -2,17 +2,17 @@
 
 ``PPOWTrainer.evaluate`` (``eval_tau``, ``eval_expected_accepted``...) wires these to its processes: tau is sharded
 over prompts and summed; the window metrics run on the main process. Both run the package's one loop
-(``exact_greedy_tau``) and one draft -> verify path (``ppow_trl.serving.rollout.verify_windows``).
+(``exact_greedy_tau``) and one draft -> verify path (``ppow_trl.core.rollout.verify_windows``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..serving.cost import CostModel, overall_speedup
+from ..core.cost import CostModel, overall_speedup
 from ..serving.generation import exact_greedy_tau, greedy_continuation
-from ..serving.rollout import verify_windows
-from ..serving.windowing import AdaptiveWindowPolicy
+from ..core.rollout import verify_windows
+from ..core.windowing import AdaptiveWindowPolicy
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ drafter ``q = softmax(draft_logits / temperature)`` over its own output columns)
 
 Numerics: everything in float32 and log space; a teacher rest mass below `TAIL_EPSILON` (the rounding noise
 of summing float32 probabilities; e.g. when ``k`` equals the vocabulary size) counts as 0, and ``log q_rest``
-is clamped at the log of the smallest normal float32, as in `ppow_trl.serving.rewards.kl_divergence` (a drafter whose
+is clamped at the log of the smallest normal float32, as in `ppow_trl.core.rewards.kl_divergence` (a drafter whose
 output columns are all in ``S_in`` has no rest mass, and the teacher's mass there cannot be learnt). Draft
 logits (`full_vocab_logits=False`) are used, so no ``-inf`` logit reaches the softmax.
 
@@ -689,7 +689,7 @@ class KDTrainer(Trainer):
         """Exact greedy tau at fixed windows of ``eval_tau_window`` over ``dataset``'s prompts, with its
         ``response_ids`` as the target's greedy text (ratio of sums; prompts sharded over the processes)."""
         from .held_out import held_out_tau_counts
-        from ..serving.windowing import AdaptiveWindowPolicy
+        from ..core.windowing import AdaptiveWindowPolicy
 
         acc = self.accelerator
         rows = dataset.select(range(acc.process_index, len(dataset), acc.num_processes))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..serving.cost import CostModel
-from ..serving.windowing import AdaptiveWindowPolicy
+from ..core.cost import CostModel
+from ..core.windowing import AdaptiveWindowPolicy
 
 PROTOCOL = (
     "Batch size 1. tau = tokens generated / target verification forwards (bonus token included, EAGLE's "
@@ -26,7 +26,7 @@ REVISION_NOTE = """Pin `revision=` to the commit hash of this repo that you chec
 or `huggingface_hub.HfApi().model_info("{repo}").sha`): a branch such as `main` can change after you read it."""
 
 REMOTE_CODE_NOTE = """What `trust_remote_code=True` executes (with your privileges), at the revision fetched:
-`custom_generate/generate.py`, a verbatim copy of `ppow_trl/serving/custom_generate/generate.py` (it imports torch and
+`custom_generate/generate.py`, a verbatim copy of `ppow_trl/core/custom_generate/generate.py` (it imports torch and
 transformers' stopping criteria; when transformers' assisted loop calls the drafter it reads the window policy,
 adds a stopping criterion and calls the model's own `generate`; no network, no file writes, no subprocess), and
 for a reduced-vocabulary drafter `modeling_ppow_drafter.py`, a copy of `ppow_trl/drafter.py` without its
@@ -38,12 +38,14 @@ from ppow_trl.serving.assisted import load_assistant
 from ppow_trl.models import load_target
 
 revision = "main"  # better: the commit hash you checked (see below)
-target = load_target("{target}")  # the target this drafter was trained for
+target = load_target("{target}"{quantization})  # the target this drafter was trained for{quantization_note}
 tokenizer = AutoTokenizer.from_pretrained(target.name_or_path)
 messages = [{{"role": "user", "content": "Name three colours."}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)"""
 """The first lines of every card's snippet: the target, its tokenizer and a prompt, so that the snippet runs as written
-(``load_target`` takes a Hub id, a local folder or ppow_trl's offline alias, as the recipe's ``target_model``)."""
+(``load_target`` takes a Hub id, a local folder or ppow_trl's offline alias, as the recipe's ``target_model``). The
+target is loaded with the quantization the drafter was trained against (``args.target_quantization``), since the
+rule and the costs saved with the drafter are that target's."""
 
 GENERATE = """out = target.generate(**inputs, assistant_model=assistant, do_sample=False, max_new_tokens=64{generate_kwargs})
 print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
@@ -79,9 +81,12 @@ adaptive window inside transformers' assisted generation (batch size 1). `ppow_t
 
 MERGE_SNIPPET = """from peft import PeftModel
 from ppow_trl.serving.assisted import save_assistant
-from ppow_trl.serving.windowing import AdaptiveWindowPolicy
-from ppow_trl.serving.cost import CostModel{family_import}
-# base_drafter: the drafter this adapter was trained on (see "Drafter" above), built or loaded as in training
+from ppow_trl.core.windowing import AdaptiveWindowPolicy
+from ppow_trl.core.cost import CostModel{family_import}
+# base_drafter: the drafter this adapter was trained on (see "Drafter" above), built as in training: the same model or
+# truncation and the same draft vocabulary. The adapter holds only the LoRA weights, so it cannot rebuild it.
+if "base_drafter" not in globals():
+    raise NameError("Build base_drafter first: the drafter this adapter was trained on, exactly as in training.")
 drafter = PeftModel.from_pretrained(base_drafter, "{repo}", revision=revision).merge_and_unload()
 policy = AdaptiveWindowPolicy.from_pretrained("{repo}", revision=revision)
 cost_model = {cost_model}
@@ -90,7 +95,8 @@ assistant = load_assistant("merged", target=target)
 {generate}"""
 
 ADAPTER_USAGE = """This folder holds a LoRA adapter. Merge it into its drafter once, and save the merged drafter with
-its window rule (the recipe's `--merge_adapter True` does this into `merged/`):
+its window rule (the recipe's `--merge_adapter True` does this into `merged/`). The lines below need `base_drafter`,
+the drafter the adapter was trained on, built as in training:
 
 ```python
 {setup}
@@ -161,15 +167,18 @@ def _generate_kwargs(family) -> str:
 
 
 def render_usage(repo: str, target: str, *, adapter: bool, family=None, merged: bool = False,
-                 cost_model_saved: bool = True) -> str:
+                 cost_model_saved: bool = True, quantization: str | None = None) -> str:
     """The card's "Use" section: Python that runs as written (the target loaded by ``load_target(target)``, the drafter
     by ``load_assistant(repo, ...)``), then the other routes. ``family``: the drafter's ``DrafterFamily`` (``None``:
-    unknown, the standalone routes). ``merged``: an adapter repo that also holds the merged drafter in ``merged/``."""
+    unknown, the standalone routes). ``merged``: an adapter repo that also holds the merged drafter in ``merged/``.
+    ``quantization``: the target's quantization in training (``"4bit"``, ``"8bit"``), with which the snippet loads it."""
     reads_target = family is not None and (family.reads_target or family.runs_on_target)
     remote_code = family is None or (family.writes_hook_file and not reads_target)
     notes = {"revision_note": REVISION_NOTE.format(repo=repo),
              "remote_code_note": "\n\n" + REMOTE_CODE_NOTE if remote_code else ""}
-    setup = TARGET_SETUP.format(target=target)
+    setup = TARGET_SETUP.format(
+        target=target, quantization=f', quantization="{quantization}"' if quantization else "",
+        quantization_note=f" ({quantization}, as in training)" if quantization else "")
     target_kwarg = ", target=target" if reads_target else ""
     generate = GENERATE.format(generate_kwargs=_generate_kwargs(family))
     if not adapter:
@@ -245,7 +254,8 @@ def render_model_card(
     output_dir = getattr(args, "output_dir", None)
     merged = bool(adapter and output_dir and (Path(output_dir) / "merged" / "config.json").is_file())
     usage = render_usage(repo, target, adapter=adapter, family=family, merged=merged,
-                         cost_model_saved=cost_model is not None)
+                         cost_model_saved=cost_model is not None,
+                         quantization=getattr(args, "target_quantization", None))
     results = (
         f"{evaluation_setup}\n\n{evaluation_table(evaluation)}" if evaluation else "No evaluation was run with this save."
     )

@@ -24,8 +24,8 @@ from .contexts import ContextPool
 from ..drafting import family_of
 from ..features import context_features
 from .kd_trainer import topk_forward_kl, topk_total_variation, vocab_maps
-from ..serving.rollout import draft_windows, target_window_probs
-from ..serving.windowing import AdaptiveWindowPolicy
+from ..core.rollout import draft_windows, target_window_probs
+from ..core.windowing import AdaptiveWindowPolicy
 
 
 @torch.no_grad()

@@ -8,10 +8,10 @@ import torch
 from trl import GRPOConfig
 
 from ..models import QUANTIZATIONS
-from ..serving.rewards import DIVERGENCES
-from ..serving.precision import PRECISIONS
+from ..core.rewards import DIVERGENCES
+from ..compiled_runtime.precision import PRECISIONS
 from ..serving.runtime import RUNTIMES
-from ..serving.windowing import SERVED_MIN_SPEEDUP
+from ..core.windowing import SERVED_MIN_SPEEDUP
 
 
 @dataclass
@@ -53,7 +53,7 @@ class PPOWConfig(GRPOConfig):
         served_min_speedup (`float`, *optional*, defaults to `1.05`):
             The served rule (after training, on the serving runtime) speculates only when predicted at least this
             much faster than plain decoding; otherwise it serves K = 0
-            (`ppow_trl.serving.windowing.SERVED_MIN_SPEEDUP`: a margin for the prediction's error). 1.0 serves any
+            (`ppow_trl.core.windowing.SERVED_MIN_SPEEDUP`: a margin for the prediction's error). 1.0 serves any
             rule predicted above 1x.
 
         > Evaluation (`eval_dataset`, `eval_strategy`/`eval_steps`)
@@ -145,8 +145,8 @@ class PPOWConfig(GRPOConfig):
             Compiled runtime: keep the compiled graphs as AOTInductor packages on disk, which a later run loads in
             seconds, instead of compiling them with `torch.compile` in every run.
         serving_precision (`str`, *optional*, defaults to `"fp32"`):
-            The target's precision on that runtime (`ppow_trl.serving.precision`): `"fp32"`, `"bf16"` or `"int8"`
-            (weight-only, per-row scales; fewer bytes read per token). The cost model and the served rule are
+            The target's precision on that runtime (`ppow_trl.compiled_runtime.precision`): `"fp32"`, `"bf16"` or
+            `"int8"` (weight-only, per-row scales; fewer bytes read per token). The cost model and the served rule are
             measured on a converted copy of the target; the rewards' target probabilities stay those of the loaded
             target. Lossless means speculative = plain decoding at this precision.
         drafter_serving_precision (`str`, *optional*):
@@ -219,7 +219,7 @@ class PPOWConfig(GRPOConfig):
 
     def compile_settings(self):
         """The compiled runtime's ``CompileSettings`` from ``row_independent`` and ``compile_packages``."""
-        from ..serving.compiled import CompileSettings
+        from ..compiled_runtime.compiled import CompileSettings
 
         return CompileSettings(row_independent=self.row_independent, packaged=self.compile_packages)
 

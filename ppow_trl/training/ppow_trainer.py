@@ -25,8 +25,8 @@ from ._trl_compat import split_tensor_dict, unwrap_model_for_generation
 from ..serving.assisted import write_assistant_files
 from ..serving.calibration import calibrate_policy, held_out_contexts
 from .contexts import ContextPool, ContextSelector, refresh_scores
-from ..serving.cost import COST_MODEL_FILE, CostModel
-from ..serving.credit import per_position_advantages
+from ..core.cost import COST_MODEL_FILE, CostModel
+from ..core.credit import per_position_advantages
 from ..drafter import ReducedVocabHeadMixin
 from ..drafting import family_of, load_drafter
 from ..features import RolloutFeatures
@@ -35,13 +35,13 @@ from .model_card import render_model_card, write_model_card
 from ..models import check_compatibility, check_same_device, load_target
 from .ppow_config import PPOWConfig
 from .held_out import held_out_tau_counts, held_out_window_metrics
-from ..serving.rewards import divergence
+from ..core.rewards import divergence
 from ..serving.runtime import serving_runtime
 from .cached_verification import cached_next_tokens, verify_windows_from_cache
-from ..serving.rollout import VerifiedWindows, verify_windows, window_rewards
+from ..core.rollout import VerifiedWindows, verify_windows, window_rewards
 from .window_logprobs import install_loss_route
 from ..utils import unwrap_model
-from ..serving.windowing import AdaptiveWindowPolicy
+from ..core.windowing import AdaptiveWindowPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -275,8 +275,8 @@ class PPOWTrainer(GRPOTrainer):
         return 0.0 if self.args.acceptance == "greedy" else self.args.verify_temperature
 
     def window_rewards(self, verified: VerifiedWindows) -> dict[str, torch.Tensor]:
-        """The reward terms of docs/ppow.md for verified windows (``ppow_trl.serving.rollout.window_rewards`` with this run's cost
-        model, speed reward and proximity settings)."""
+        """The reward terms of docs/ppow.md for verified windows (``ppow_trl.core.rollout.window_rewards`` with this
+        run's cost model, speed reward and proximity settings)."""
         cost_model = self.cost_model if self.args.speed_reward == "cost" else None
         return window_rewards(verified, cost_model, proximity_divergence=self.args.proximity_divergence,
                               proximity_weight=self.args.proximity_weight,

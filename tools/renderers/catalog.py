@@ -19,7 +19,7 @@ def round_costs(spec: dict, results: Path) -> Section | None:
             "unguarded", "guarded", "guarded_after_a_pause")}}
         rows = [[L] + [f"{auto(v['round_time_median'])} ({auto(v['rounds'])})" if isinstance(v, dict) else auto(v)
                        for v in (arm.get(L) for arm in arms.values())] for L in sorted(arms["unguarded"], key=int)]
-        runs.append(Run(path.name, [*generic.run_lines({}, data, path.name), f"Served rule: {data.get('served_rule')}",
+        runs.append(Run(path.name, [*generic.run_lines(spec, data, path.name), f"Served rule: {data.get('served_rule')}",
                                     "", *table(["drafted L", *arms], rows)]))
     return Section(spec["title"], spec["group"], [spec["about"], ""], runs) if runs else None
 

@@ -65,9 +65,15 @@ def table(header: list[str], rows: list[list]) -> list[str]:
             + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows] + [""])
 
 
+SHELL_COMMENT = re.compile(r"\s+#\s.*$", re.S)
+
+
 def command_line(command: str | None, result: str | None = None) -> list[str]:
-    """The command that reproduces a result, as its JSON (``result``, under benchmarks/results/) records it."""
+    """The command that reproduces a result, as its JSON (``result``, under benchmarks/results/) records it, without
+    a trailing shell comment (``  # ...``: notes of the session that ran it; what a reader needs of them goes in the
+    benchmark's ``about`` in benchmarks.toml)."""
     source = f" (`{RESULTS.as_posix()}/{result}`)" if result else ""
+    command = SHELL_COMMENT.sub("", command) if command else command
     return [f"Command{source}: `{command}`" if command else f"Command{source}: not recorded in the JSON.", ""]
 
 

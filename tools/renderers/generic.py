@@ -4,6 +4,7 @@ machine its JSON records, the texts it stores about itself, then its tables."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .format import auto, command_line, load, machine_text, table
@@ -65,13 +66,21 @@ def render_table(spec: dict, data: dict) -> list[str]:
     return lines
 
 
+def without_sentences(text: str, openings: list[str]) -> str:
+    """``text`` without the sentences that begin with one of ``openings`` (a benchmark's ``omit_sentences``: a
+    stored text's account of earlier runs, which the archive and the design history keep)."""
+    sentences = re.split(r"(?<=\.) (?=[A-Z])", text)
+    return " ".join(s for s in sentences if not s.startswith(tuple(openings)))
+
+
 def run_lines(spec: dict, data: dict, name: str) -> list[str]:
     """One run: the command and machine its JSON records, the texts it stores about itself, its tables."""
     meta = data["meta"] if isinstance(data.get("meta"), dict) and "command" in data["meta"] else data
     command = meta.get("command") or (data.get("settings") or {}).get("command")
     lines = [*command_line(command, name), machine_text(meta), ""]
     for key in (k for k in STORED_TEXTS if isinstance(data.get(k), str)):
-        lines += [f"{key.replace('_', ' ').capitalize()} (stored with the result): {data[key]}", ""]
+        text = without_sentences(data[key], spec.get("omit_sentences", []))
+        lines += [f"{key.replace('_', ' ').capitalize()} (stored with the result): {text}", ""]
     return lines + [line for t in spec.get("table", []) for line in render_table(t, data)]
 
 

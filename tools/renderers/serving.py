@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .format import CATALOG, RESULTS, ci, command_line, cpu_text, load, num, slug, table, threads_text
+from .format import (CATALOG, RESULTS, ci, command_line, cpu_text, load, num, slug, table, threads_text,
+                     without_local_paths)
 from .page import Run, Section
 
 HEADING, EAGER = "Compiled serving", "hf_generate_eager"
@@ -20,6 +21,8 @@ ARM = re.compile(r"(?P<kind>hf_generate_eager|hf_generate_compiled|compiled_plai
                  r"llama_cpp_speculative)(?:\[(?P<inner>[^\]]*)\])?")
 WHAT = {"ppow": "the trained drafter alone", "prompt_lookup": "prompt lookup (no training)",
         "hybrid": "the trained drafter and prompt lookup (hybrid)", "eagle3": "an EAGLE-3 head"}
+LOOKUPS_ALONE = "the hybrid served as prompt lookup alone (its trained drafter proposes nothing)"
+MAIN_JOB = "main_job.json"  # benchmarks/main_job.py: the current main job, which the README's prose reports
 
 
 class MixedReferenceError(ValueError):
@@ -138,7 +141,35 @@ def main_job_compiled(spec: dict, results: Path) -> Section | None:
         found.append(Run(f"Main job run {i}", [
             *([f"*{run['label']}*", ""] if run.get("label") else []), *command_line(run.get("command")),
             f"Machine: {cpu_text(run.get('cpu'))}.", "", *facts, "", *served_table(arms)]))
-    return Section(spec["title"], spec["group"], [spec["about"], ""], found)
+    return Section(spec["title"], spec["group"], [spec["about"], ""], found, spec.get("superseded", False))
+
+
+def drafter_scope(results: Path, meta: dict) -> str:
+    """Which trained drafter the README's rows measured, and whether it is the current main job's: a sentence.
+
+    The side-by-side run records the drafter it was given (``meta["drafter"]``); the current main job
+    (``main_job.json``) records its output folder and CPU. The drafter is called the main job's only when the run
+    read that folder's ``merged/`` on the same CPU model; otherwise the sentence says it is another drafter."""
+    drafter = meta.get("drafter") or (meta.get("settings") or {}).get("drafter")
+    if not drafter:
+        return ""
+    shown = without_local_paths(drafter)
+    if not (results / MAIN_JOB).is_file():
+        return f" The trained drafter in these rows is `{shown}` (the run's `--drafter`)."
+    job = load(results / MAIN_JOB)
+    output = re.search(r"--output_dir\s+(\S+)", job.get("job") or "")
+    output = output[1] if output else "outputs/ppow-smollm2-offline"
+    machine = (job.get("cpu") or {}).get("model") or "CPU model not recorded"
+    rule = job.get("served_rule") or {}
+    served = f", served K = {rule['max_window']}" if rule.get("max_window") is not None else ""
+    same = drafter.rstrip("/").endswith(f"{output.rstrip('/')}/merged") and machine == (meta.get("cpu") or {}).get(
+        "model")
+    if same:
+        return (f" The trained drafter in these rows is `{shown}`, the folder the main job writes, on the CPU model "
+                f"of the current main job (`{RESULTS.as_posix()}/{MAIN_JOB}`).")
+    return (f" The trained drafter in these rows is `{shown}` (the run's `--drafter`), not the drafter of the "
+            f"current main job (`{RESULTS.as_posix()}/{MAIN_JOB}`: {machine}{served}), which the main job's own "
+            "evaluation measures.")
 
 
 def readme_block(results: Path, command: str) -> str:
@@ -159,7 +190,7 @@ def readme_block(results: Path, command: str) -> str:
         f"{threads_text(meta.get('threads'))}, greedy, batch 1, "
         + " and ".join(f"{data['runs'][run].get('prompts', '-')} {label}" for run, label in sets)
         + f" prompts of up to {meta.get('max_new_tokens', '-')} new tokens, from the newest side-by-side run "
-        f"(`{RESULTS.as_posix()}/{name}`); {gpu}.", "",
+        f"(`{RESULTS.as_posix()}/{name}`); {gpu}." + drafter_scope(results, meta), "",
         "Each speedup is a ratio of total times [95% CI] against plain decoding on the row's own runtime and "
         "precision (the rows marked `reference`). The last column compares every row with transformers' eager "
         "`generate` in fp32, so it adds what the runtime and the precision gain to what speculation gains. tau: "
@@ -178,8 +209,9 @@ def _reading_order(arm: str) -> tuple:
     return rank, precision != "fp32", precision, not is_plain(arm)
 
 
-def _what(arm: str) -> str:
-    """What a row is, in words: the README names the trained drafter alone and the lookups."""
+def _what(arm: str, stored: dict | None = None) -> str:
+    """What a row is, in words: the README names the trained drafter alone and the lookups. A hybrid whose served
+    rule (``stored["rule"]``) is its lookups alone is named so: its trained drafter contributes nothing there."""
     if arm.startswith("hf_"):
         return "transformers `generate`"
     if is_plain(arm):
@@ -187,6 +219,8 @@ def _what(arm: str) -> str:
     if arm.startswith("llama_cpp"):
         return "llama.cpp's draft model hook, the trained drafter"
     drafter = ARM.fullmatch(arm)["inner"].partition("@")[0]
+    if drafter == "hybrid" and "lookups alone" in ((stored or {}).get("rule") or ""):
+        return LOOKUPS_ALONE
     return WHAT.get(drafter, drafter)
 
 
@@ -212,7 +246,8 @@ def _headline_row(arm: str, per_set: list[dict]) -> list:
     def join(values: list[str]) -> str:  # "reference", not "reference / reference"
         return " / ".join(dict.fromkeys(values) if "reference" in values else values)
 
-    return [f"{_what(arm)}: `{arm}`", " ".join(footing(arm)).replace("hf_generate_", "transformers "),
-            _short_rule(next(a for a in per_set if a)), *speedups, join([num(a.get("tau")) for a in per_set]),
+    stored = next(a for a in per_set if a)
+    return [f"{_what(arm, stored)}: `{arm}`", " ".join(footing(arm)).replace("hf_generate_", "transformers "),
+            _short_rule(stored), *speedups, join([num(a.get("tau")) for a in per_set]),
             join([str(a.get("lossless_prompts", "-")) for a in per_set]),
             join([num(a.get(f"speedup_vs_{EAGER}"), 2, "x") for a in per_set])]

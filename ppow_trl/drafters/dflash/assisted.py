@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ...serving.windowing import AdaptiveWindowPolicy
+from ...core.windowing import AdaptiveWindowPolicy
 from .modeling import check_target
 
 MODEL_TYPE = "muse_glimmer_assistant"

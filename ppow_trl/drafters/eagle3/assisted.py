@@ -34,7 +34,7 @@ import functools
 import torch
 from ...serving.assistant_loop import check_assistant_call, draft_window
 from ...features import target_features
-from ...serving.windowing import configure_generation_config
+from ...core.windowing import configure_generation_config
 from .session import ChainSession
 
 
@@ -111,7 +111,7 @@ def attach_to_target(drafter, target, policy=None, vocab_size: int | None = None
 
     Checks ``target`` is the one the drafter reads, registers the ``TargetFeatureTap`` and installs
     ``chain_generate``; ``policy`` (an ``AdaptiveWindowPolicy``) sets the window rule in the drafter's generation
-    config (``ppow_trl.serving.windowing.configure_generation_config``), else the one it carries is used. Returns the tap.
+    config (``ppow_trl.core.windowing.configure_generation_config``), else the one it carries is used. Returns the tap.
     """
     drafter.check_target(target)
     if policy is not None:

@@ -90,7 +90,7 @@ class AdaptiveWindowPolicy:
 
     ``conf_j = max_v softmax(z_j / confidence_temperature)`` of the drafter's logits ``z_j``: a property of
     the policy, the same in training rollouts, our generation loop, the HF hook, calibration and the
-    benchmark, greedy or sampled (``ppow_trl/serving/custom_generate/generate.py`` holds the rule). The first token is
+    benchmark, greedy or sampled (``ppow_trl/core/custom_generate/generate.py`` holds the rule). The first token is
     drafted (unless ``empty_windows``); the token whose confidence pushes the estimate below ``h`` is still proposed
     (it may be accepted) and ends the window. ``threshold = 0`` is a fixed window of ``max_window`` tokens. (A threshold
     on the acceptance estimate is optimal for this stopping problem under mild assumptions: SpecDec++, arXiv
@@ -358,7 +358,7 @@ def configure_generation_config(generation_config, policy: AdaptiveWindowPolicy,
     """Set a drafter's ``generation_config`` for HF's assisted generation with our rule; returns it.
 
     ``num_assistant_tokens = K`` (HF drafts at most this many; with a guard, a ``WindowBudget`` that reads 0 while the
-    guard pauses, see ``ppow_trl.serving.custom_generate.generate``), ``num_assistant_tokens_schedule = "constant"``
+    guard pauses, see ``ppow_trl.core.custom_generate.generate``), ``num_assistant_tokens_schedule = "constant"``
     (HF never changes K), ``assistant_confidence_threshold = 0`` (HF's per-token rule and its re-tuning are
     off), and ``ppow_window_policy = policy_dict(policy)`` (``K``, ``h``, ``T_c``; read by the hook), plus
     ``vocab_size`` when given (the tokenizer's length: confidences over those scores only, as in training).
@@ -387,7 +387,7 @@ def attach_window_policy(drafter, policy, vocab_size: int | None = None):
     """In memory, without saving: make ``drafter`` apply ``policy`` as an HF assistant; returns ``drafter``.
 
     Sets its generation config (``configure_generation_config``) and replaces its ``generate`` with
-    ``functools.partial(ppow_trl.serving.custom_generate.generate.generate, model=drafter)``: the same code a folder's
+    ``functools.partial(ppow_trl.core.custom_generate.generate.generate, model=drafter)``: the same code a folder's
     ``custom_generate/generate.py`` holds, installed as ``from_pretrained(trust_remote_code=True)`` would.
     """
     if is_peft_model(drafter):

@@ -3,8 +3,9 @@
 ``CompileSettings`` names the options (freezing, max-autotune and its GEMM backends, row independence, packages);
 ``compile_cache_dir`` keys the on-disk cache by torch's version, the CPU's instruction sets, the thread count and the
 settings; ``compile_context`` is the one place that applies them while inductor compiles (in the serving process, or
-in a package build's worker process: ``ppow_trl.serving.packaged``). ``benchmarks/compiled_runtime_settings.py``
-measures the settings (cold and warm compile seconds, t_t, t_v(L)) to choose the defaults.
+in a package build's worker process: ``ppow_trl.compiled_runtime.packaged``).
+``benchmarks/compiled_runtime_settings.py`` measures the settings (cold and warm compile seconds, t_t, t_v(L)) to choose
+the defaults.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ class CompileSettings:
         row_independent: compile so that a row's logits do not depend on how many rows one call scores, so that
             greedy speculative decoding gives plain decoding's tokens bitwise, by construction, at every precision
             (module docstring): attention padded to ``max_rows`` query rows in every graph
-            (``ppow_trl.serving.attention``) and inductor's ``emulate_precision_casts``. On by default: lossless by
-            construction is worth its cost (SmolLM2, AMD EPYC, 1 thread, benchmarks/row_independence.py: the decode
-            step about 1.1x as long, a 2-5 row verify 0.90-1.01x). Off: the graphs PyTorch's own attention gives,
-            whose verify rows differed from the decode steps' in the last bits.
-        packaged: keep each graph as an AOTInductor package on disk (``ppow_trl.serving.packaged``), loaded in
+            (``ppow_trl.compiled_runtime.attention``) and inductor's ``emulate_precision_casts``. On by default:
+            lossless by construction is worth its cost (SmolLM2, AMD EPYC, 1 thread, benchmarks/row_independence.py:
+            the decode step about 1.1x as long, a 2-5 row verify 0.90-1.01x). Off: the graphs PyTorch's own attention
+            gives, whose verify rows differed from the decode steps' in the last bits.
+        packaged: keep each graph as an AOTInductor package on disk (``ppow_trl.compiled_runtime.packaged``), loaded in
             seconds by the next process, instead of ``torch.compile``'s graphs, which every process traces and
             freezes again before inductor's disk cache answers (SmolLM2 fp32, 5 row counts, AMD EPYC: 274 s warm).
             Where exporting fails, the runtime says so in one line and compiles with ``torch.compile``.

@@ -1,6 +1,6 @@
 """Window rewards of PPOW: divergences, the distribution-based proximity reward and the total reward.
 
-The cost-aware speedup reward ``R_speed = S(y)`` is ``ppow_trl.serving.cost.speedup``; this module adds the
+The cost-aware speedup reward ``R_speed = S(y)`` is ``ppow_trl.core.cost.speedup``; this module adds the
 dense proximity term and their sum. Everything works on probabilities (last dimension = vocabulary),
 in float32, masked for padding.
 """

@@ -196,9 +196,10 @@ def window_rewards(verified: VerifiedWindows, cost_model: CostModel | None, *, p
 
     Returns ``accepted`` (E[A|y], or A when greedy), ``prefix`` (P(A >= k)), ``lengths`` (L), ``speed``
     (``R_speed = S(y)`` with ``cost_model``, else ``E[A|y] + 1``), ``proximity`` (``R_prox = (1/L) sum_i w_i r_i``) and
-    ``credit`` (the per-position credit ``C_k`` of ``ppow_trl.serving.credit``, 0 past L). ``proximity_positions``: ``"window"``
-    (``w_i = 1`` on every drafted position, docs/ppow.md) or ``"reached"`` (``w_i = P(A >= i - 1 | y)``, the positions
-    verification reaches: what cached greedy rewards can compute, ``ppow_trl.training.cached_verification``).
+    ``credit`` (the per-position credit ``C_k`` of ``ppow_trl.core.credit``, 0 past L). ``proximity_positions``:
+    ``"window"`` (``w_i = 1`` on every drafted position, docs/ppow.md) or ``"reached"`` (``w_i = P(A >= i - 1 | y)``,
+    the positions verification reaches: what cached greedy rewards can compute,
+    ``ppow_trl.training.cached_verification``).
     """
     if proximity_positions not in PROXIMITY_POSITIONS:
         raise ValueError(f"proximity_positions must be one of {PROXIMITY_POSITIONS}, got {proximity_positions!r}.")

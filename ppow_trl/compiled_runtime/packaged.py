@@ -308,7 +308,7 @@ def _build_each(model, cache, paths: dict[int, Path], settings: CompileSettings,
 
 
 _WORKER = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
-           "from ppow_trl.serving.packaged import _build_in_worker; _build_in_worker()")
+           f"from {__name__} import _build_in_worker; _build_in_worker()")  # this module, by its own name
 
 
 def _build_in_worker() -> None:

@@ -13,8 +13,8 @@ How:
 - A call with ``q <= max_rows`` rows over such a cache runs the compiled graph for ``q`` rows (static shapes, one
   graph per ``q``); longer calls (the prompt's prefill) run eagerly over the same cache.
 - ``warm_up()`` compiles every row count with a progress bar. By default (``CompileSettings.packaged``) each row
-  count's graph is an AOTInductor package on disk (``ppow_trl.serving.packaged``): the first process builds it, the
-  next ones load it in seconds, and nothing can compile inside the served loop (a row count without a package is an
+  count's graph is an AOTInductor package on disk (``ppow_trl.compiled_runtime.packaged``): the first process builds it,
+  the next ones load it in seconds, and nothing can compile inside the served loop (a row count without a package is an
   error after the warm-up). With ``packaged=False`` (or a model ``torch.export`` cannot take), ``torch.compile``
   traces the graphs in every process, and after the warm-up every call runs under
   ``torch.compiler.set_stance("fail_on_recompile")``.
@@ -23,18 +23,18 @@ How:
   does not name the CPU).
 - The packages take disk (about twice the weights' bytes each, a set per weight set): the store keeps the least
   recently used sets under ``$PPOW_TRL_PACKAGE_STORE_GB`` and a build that the disk cannot hold stops before compiling
-  with ``NotEnoughDisk`` (``ppow_trl.serving.package_store``), which ``serving_runtime`` serves eagerly after.
+  with ``NotEnoughDisk`` (``ppow_trl.compiled_runtime.package_store``), which ``serving_runtime`` serves eagerly after.
 - A row's logits must not depend on how many rows one call scores, or speculation could pick another token than
   plain decoding at a near tie. Left to itself, inductor lowers attention for one query row into a product and a sum
   but for several rows into a GEMM (two summation orders), and at low precision it rounds an intermediate only where
   a kernel stores it, while which ops fuse depends on the row count: on SmolLM2 every verified row differed from the
   decode step's in its last bits. ``CompileSettings(row_independent=True)`` (the default) removes both causes
-  (``ppow_trl.serving.attention``'s attention padded to ``max_rows`` query rows in every graph, inductor's
+  (``ppow_trl.compiled_runtime.attention``'s attention padded to ``max_rows`` query rows in every graph, inductor's
   ``emulate_precision_casts``); the GEMMs of the linear layers (C++ templates) already gave every row the same bits
   whatever the row count. A verify pass's rows are then bitwise the decode steps'.
 - Inductor still chooses kernels per shape (on an AMX CPU its int8 GEMM switches kernel at 5 rows), so after the
-  warm-up ``ppow_trl.serving.row_check`` checks every graph's rows bitwise against the decode step and, where one
-  differs, splits such calls over graphs that agree or runs every call on the largest graph (``row_plan``).
+  warm-up ``ppow_trl.compiled_runtime.row_check`` checks every graph's rows bitwise against the decode step and, where
+  one differs, splits such calls over graphs that agree or runs every call on the largest graph (``row_plan``).
 - A drafter that reads the target's hidden states (EAGLE-3, DFlash) needs them from every verify pass:
   ``CompiledCausalLM(..., feature_layers=ids)`` makes every graph return ``cat(hidden_states[i] for i in ids)`` next
   to the logits (``out.features`` of a call with ``return_features=True``: ``ppow_trl.features.target_forward``), so
@@ -43,7 +43,7 @@ How:
 - Rolling back after a rejected window is ``crop_cache``: a static cache only moves its length back; the stale rows
   are masked, then overwritten.
 
-``CompileSettings`` (``ppow_trl.serving.inductor_settings``) holds the inductor options;
+``CompileSettings`` (``ppow_trl.compiled_runtime.inductor_settings``) holds the inductor options;
 ``benchmarks/compiled_runtime_settings.py`` measures them (cold and warm compile seconds, t_t, t_v(L)) to choose the
 defaults.
 """
@@ -120,8 +120,8 @@ class CompiledCausalLM(torch.nn.Module):
         self.decode_rows = decode_rows
         # Which graphs calls run: each its own, unless the warm-up found some graph's rows not bitwise the one-token
         # step's on this machine; then calls of that row count are split over graphs that agree, or every call runs
-        # the max_rows graph (``ppow_trl.serving.row_check``), so that speculation stays lossless whatever kernels
-        # inductor chose per shape.
+        # the max_rows graph (``ppow_trl.compiled_runtime.row_check``), so that speculation stays lossless whatever
+        # kernels inductor chose per shape.
         self.row_plan = RowPlan()
         # Only a verifier's rows must match its decode steps: a drafter's rows that differ change what it proposes
         # (SmolLM2's fp32 2-layer drafter's 2-row graph did, on the AMX Xeon), never the output, so it is not checked.
@@ -371,7 +371,7 @@ class CompiledCausalLM(torch.nn.Module):
 
     def _build_packages(self, rows: list[int], cache, progress: bool = False) -> None:
         """Build the packages of ``rows`` that the disk does not hold, several at once where the machine allows
-        (``ppow_trl.serving.packaged.build_workers``), with a progress bar."""
+        (``ppow_trl.compiled_runtime.packaged.build_workers``), with a progress bar."""
         from tqdm.auto import tqdm
 
         paths = {q: self._package_path(q) for q in rows}

@@ -11,7 +11,8 @@ fp32 weights per token; 19 GB/s at one thread on an AMD EPYC). Precisions offere
   inductor compiles into its C++ weight-only GEMM template), returned in the input's dtype. Everything else (the
   residual stream, norms, attention, the KV cache, the embedding) stays fp32: the weights are what a decode step
   reads, and a bf16 residual stream rounded wherever inductor's fusion happened to store it, which differs between a
-  decode step's graph and a verify pass's (``ppow_trl.serving.compiled``). A tied lm head gets its own int8 copy.
+  decode step's graph and a verify pass's (``ppow_trl.compiled_runtime.compiled``). A tied lm head gets its own int8
+  copy.
 
 ``serving_precision(model, precision)`` returns a converted copy (the fp32 model is left as it is: calibration and
 the benchmarks compare against it). Lossless is a property of one precision and one set of kernels: speculation on

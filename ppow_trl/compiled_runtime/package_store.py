@@ -1,7 +1,7 @@
 """Where the compiled runtime's packages live on disk, and how much of the disk they may take.
 
 Layout: ``<compile cache>/packages/<settings key>-<weights digest>/rows<q>-of<K+1>-cache<len>.pt2``, one folder (a
-*package set*) per weight set and settings (``ppow_trl.serving.packaged``).
+*package set*) per weight set and settings (``ppow_trl.compiled_runtime.packaged``).
 
 Why the store is bounded: a package embeds its weights, pre-packed for the GEMM kernels, at about twice the weights'
 bytes (SmolLM2-135M fp32: 1.08 GB a package, 5.4 GB for the 5 row counts of K = 4), and every new weight set (each

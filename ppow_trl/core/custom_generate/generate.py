@@ -1,6 +1,6 @@
 """PPOW adaptive windows: the window rule, and its hook for Hugging Face assisted generation.
 
-This file is the one definition of PPOW's window-length rule. ``ppow_trl.serving.windowing`` imports it,
+This file is the one definition of PPOW's window-length rule. ``ppow_trl.core.windowing`` imports it,
 ``ppow_trl.serving.assisted.attach_window_policy`` (and so ``load_assistant``) installs its ``generate`` in memory, and
 ``ppow_trl.serving.assisted.save_assistant`` copies it verbatim into a drafter folder as ``custom_generate/generate.py``.
 It imports only the standard library, torch and transformers (never ppow_trl): a folder loaded with
