@@ -318,6 +318,12 @@ def check_arguments(script_args: PPOWScriptArguments, training_args: PPOWConfig)
         raise ValueError("reward_source: cache reads greedy rewards from the training text, exact only when it is the "
                          f"target's own greedy text; train_data: {script_args.train_data} holds the dataset's answers: "
                          "set reward_source: target (the target verifies each window) or train_data: regenerated.")
+    if (training_args.reward_source == "cache" and script_args.train_data != "teacher_forced"
+            and resolve_precision(script_args.regeneration_precision) != "fp32"):
+        raise ValueError("reward_source: cache reads greedy rewards from the training text, exact only when it is the "
+                         "target's own greedy text; regeneration_precision: "
+                         f"{script_args.regeneration_precision} decodes it with a bf16 copy, whose greedy text differs: "
+                         "set reward_source: target or regeneration_precision: fp32.")
 
 
 def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args: ModelConfig):
