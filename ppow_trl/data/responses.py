@@ -81,6 +81,14 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+_INPUT_INDEX = "__input_index__"
+
+
+def _prompt_length(row: dict[str, Any]) -> int:
+    """A prompt's length for batching: the characters of its messages (no tokenizer pass needed)."""
+    return sum(len(message["content"]) for message in row["messages"])
+
+
 def _decoder_at(target, precision: str):
     """The model that decodes at ``precision``: ``target`` itself, or for ``"bf16"`` a bfloat16 copy of a float32
     ``target`` (quantized and half-precision targets are used as they are)."""
@@ -138,9 +146,10 @@ def build_target_responses(
     chat loses either its instruction or its generation prompt. The held-out/train separation is the
     loaders' (e.g. `load_sharegpt("train")` vs `"test"`): this function only labels what it is given.
 
-    Batches: each chunk's prompts are sorted by length before they are cut into batches (the rows come back in
-    input order), so a batch pads little and large batches pay: on a 2-core AMD EPYC, one thread, batch 32 of
-    length-sorted prompts decoded ~3x the tokens per second of batch 8 (a decode step mostly reads the weights).
+    Batches (``sort_by_length``): the prompts are sorted by length over the whole dataset before they are cut into
+    chunks and batches (the rows come back in input order), so a batch pads little and large batches pay (a decode
+    step mostly reads the weights). Sorting within chunks only is not enough once a chunk is one batch: a batch of
+    64 ShareGPT prompts drawn at random pads to its longest, up to ``max_prompt_length``.
 
     Determinism: each chunk of `chunk_size` prompts is generated under its own seed derived from `seed`,
     so a resumed run equals an uninterrupted one. Sampled outputs depend on `seed`, `batch_size` and
@@ -166,7 +175,7 @@ def build_target_responses(
         cache_dir: root of the resumable cache (see `build_sharded_dataset`); None keeps everything in memory.
         label_top_k: also add `topk_ids` / `topk_logprobs` (the columns `compute_target_topk` adds) from the
             generation's own logits; None (default) adds no labels.
-        sort_by_length: batch prompts of similar length together (default); False keeps each chunk in input order.
+        sort_by_length: batch prompts of similar length together (default); False keeps the input order.
         precision: ``"fp32"`` (default: the target as given) or ``"bf16"`` (a bfloat16 copy of a float32 target).
 
     Returns:
@@ -214,6 +223,13 @@ def build_target_responses(
         "chunk_size": chunk_size,
     }
     features = {**prompts.features, "prompt_ids": TOKEN_IDS_FEATURE, "response_ids": TOKEN_IDS_FEATURE}
+    work = prompts
+    if sort_by_length:  # every chunk and batch holds prompts of similar length; _INPUT_INDEX restores the order
+        settings["order"] = "sorted by length"
+        lengths = [_prompt_length({"messages": messages}) for messages in prompts["messages"]]
+        order = sorted(range(len(prompts)), key=lambda index: (lengths[index], index))
+        work = prompts.select(order).add_column(_INPUT_INDEX, order)
+        features[_INPUT_INDEX] = Value("int64")
     if label_top_k:
         settings["label_top_k"] = label_top_k  # only when set: the caches of unlabelled responses keep their keys
         features.update(topk_ids=[[Value("int32")]], topk_logprobs=[[Value("float32")]])
@@ -221,7 +237,7 @@ def build_target_responses(
         settings["precision"] = precision  # likewise: float32 caches keep their keys
     features = Features(features)
     responses = build_sharded_dataset(
-        prompts,
+        work,
         process_batch,
         features=features,
         kind="responses",
@@ -232,10 +248,12 @@ def build_target_responses(
         seed=seed if do_sample else None,
         desc="Generating target responses",
         # prompts of similar length share a batch: little of each decode step is left padding, so large batches pay
-        sort_key=(lambda row: sum(len(message["content"]) for message in row["messages"])) if sort_by_length else None,
+        sort_key=_prompt_length if sort_by_length else None,
         unit="token",
         count=lambda out: sum(len(row["response_ids"]) for row in out),
     )
+    if sort_by_length:
+        responses = responses.sort(_INPUT_INDEX).remove_columns(_INPUT_INDEX).flatten_indices()
     if len(responses) < len(prompts):
         logger.warning(
             "Dropped %d of %d prompts longer than max_prompt_length=%s tokens.",
