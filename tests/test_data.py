@@ -189,10 +189,42 @@ def test_greedy_batched_responses_equal_unbatched_generate(target, tiny_tokenize
         assert 1 <= len(row["response_ids"]) <= 8 and eos not in row["response_ids"][:-1]
 
 
+
+def test_batches_hold_prompts_of_similar_length_across_chunks(target, tiny_tokenizer, monkeypatch):
+    """``sort_by_length`` sorts the whole dataset before it is cut into chunks: with chunks of one batch, each batch
+    holds the next shortest prompts (not a chunk's worth in file order), and the rows still come back in input
+    order, equal to unbatched generation."""
+    from ppow_trl.data import responses as module
+
+    prompts = _tiny_prompts(lengths=(7, 1, 6, 2, 5, 1, 7, 2))
+    seen = []
+    encode = module.encode_prompt
+
+    def recording(tokenizer, messages):
+        seen.append(len(messages[0]["content"]))
+        return encode(tokenizer, messages)
+
+    monkeypatch.setattr(module, "encode_prompt", recording)
+    responses = build_target_responses(target, tiny_tokenizer, prompts, max_new_tokens=4, batch_size=2, chunk_size=2)
+    assert seen == sorted(seen) and len(seen) == len(prompts)  # batch after batch, shortest first
+    assert responses["id"] == prompts["id"]
+    for row in responses:
+        assert row["response_ids"] == _greedy_single(target, tiny_tokenizer, row["messages"], 4)
+
 def test_long_prompts_are_dropped(target, tiny_tokenizer):
     prompts = _tiny_prompts(lengths=(2, 30, 3))
     responses = build_target_responses(target, tiny_tokenizer, prompts, max_new_tokens=2, max_prompt_length=20)
     assert responses["id"] == ["p0", "p2"]
+
+
+def test_a_chunk_whose_prompts_are_all_dropped_is_cached_and_read_back(target, tiny_tokenizer, tmp_path):
+    """Length-sorted chunks put the long prompts together: a chunk with none left is an empty shard, read back as
+    such (a shard saved without data files is not a loadable dataset)."""
+    prompts = _tiny_prompts(lengths=(30, 2, 31, 3))
+    kwargs = dict(max_new_tokens=2, max_prompt_length=20, batch_size=2, chunk_size=2, cache_dir=tmp_path)
+    responses = build_target_responses(target, tiny_tokenizer, prompts, **kwargs)
+    assert responses["id"] == ["p1", "p3"]
+    assert build_target_responses(target, tiny_tokenizer, prompts, **kwargs).to_list() == responses.to_list()
 
 
 def test_sampled_responses_are_deterministic_for_a_seed(target, tiny_tokenizer):

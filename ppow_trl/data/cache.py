@@ -168,7 +168,13 @@ def _save_atomically(dataset: Dataset, folder: Path) -> bool:
     return _publish(tmp, folder)
 
 
-def _load_quietly(folder: Path) -> Dataset:
+def _load_quietly(folder: Path, features: Features | None = None) -> Dataset:
+    """The dataset saved in ``folder``. A shard whose rows were all dropped (e.g. every prompt of a length-sorted
+    chunk over ``max_prompt_length``) is saved without data files, which ``load_from_disk`` cannot read: it comes
+    back as an empty dataset with ``features``."""
+    state = folder / "state.json"
+    if features is not None and state.exists() and not json.loads(state.read_text()).get("_data_files"):
+        return _dataset_from_rows([], features)
     with _datasets_progress_bars_disabled():
         return load_from_disk(str(folder))
 
@@ -323,7 +329,7 @@ def build_sharded_dataset(
                                                 desc or kind, sort_key, unit, count), shard_path)  # False: another process published it
         if world > 1:
             _wait_for_everyone()
-        shards = [_load_quietly(folder / f"shard-{index:05d}") for index in range(num_chunks)]
+        shards = [_load_quietly(folder / f"shard-{index:05d}", features) for index in range(num_chunks)]
     return concatenate_datasets(shards) if shards else _dataset_from_rows([], features)
 
 
