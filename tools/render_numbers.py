@@ -3,11 +3,9 @@
     python tools/render_numbers.py            # write them (`make numbers`)
     python tools/render_numbers.py --check    # regenerate in memory; exit 1 naming the stale files
 
-Every figure comes from the JSON under ``benchmarks/results/`` (the studies' through their own builders in
-``ppow_trl.study``), rendered by ``tools/renderers/``. The output is deterministic (sorted files, stored JSON order,
-fixed formats, nothing about the render itself), and only the README's part between ``<!-- results:begin -->`` and
-``<!-- results:end -->`` is replaced. ``tests/test_generated_docs.py`` runs the check, so a result committed without
-regenerating, or a hand edit of a generated part, fails the tests.
+Every figure comes from the JSON under ``benchmarks/results/``, rendered by ``tools/renderers/`` deterministically
+(sorted files, stored JSON order, fixed formats); only the README's part between ``<!-- results:begin -->`` and
+``<!-- results:end -->`` is replaced. ``tests/test_generated_docs.py`` runs the check.
 """
 
 from __future__ import annotations
@@ -16,21 +14,18 @@ import argparse
 import sys
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # tools/renderers, also when this file is loaded by path
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/renderers, also when this file is loaded by path
 
-from renderers import page, sections, serving  # noqa: E402,F401  (serving: the tests check its reference rule)
-from renderers.format import RESULTS, without_local_paths  # noqa: E402,F401  (tests call without_local_paths)
-from renderers.serving import HEADING as COMPILED_SERVING_HEADING, MixedReferenceError, readme_block  # noqa: E402,F401
+from renderers import catalog, page, serving  # noqa: E402  (the tests check serving's reference rule)
+from renderers.format import COMMAND, RESULTS, without_local_paths  # noqa: E402,F401  (the tests call it)
+from renderers.serving import HEADING as COMPILED_SERVING_HEADING, MixedReferenceError  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS_PAGE, ARCHIVE_PAGE, README = Path("docs", page.SUMMARY), Path("docs", page.ARCHIVE), Path("README.md")
-README_BEGIN, README_END = "<!-- results:begin -->", "<!-- results:end -->"
-COMMAND = "python tools/render_numbers.py"
+README, README_BEGIN, README_END = Path("README.md"), "<!-- results:begin -->", "<!-- results:end -->"
 
 
 class MarkerError(ValueError):
-    """A generated block's begin or end marker is missing, repeated or out of order."""
+    """A results marker of the README is missing, repeated or out of order."""
 
 
 def replace_block(text: str, block: str, name: str = "README.md") -> str:
@@ -47,17 +42,15 @@ def replace_block(text: str, block: str, name: str = "README.md") -> str:
 
 def render_all(root: Path = ROOT) -> dict[Path, str]:
     """Every generated file's expected content: ``{path relative to root: text}``."""
-    results, found = Path(root) / RESULTS, sections(Path(root) / RESULTS)
-    pages = {page.SUMMARY: page.render_summary(found), page.ARCHIVE: page.render_archive(found)}
-    page.check_anchors(pages)
-    readme = replace_block((Path(root) / README).read_text(), readme_block(results, COMMAND), name=str(README))
-    return {BENCHMARKS_PAGE: pages[page.SUMMARY], ARCHIVE_PAGE: pages[page.ARCHIVE], README: readme}
+    results, readme = Path(root) / RESULTS, (Path(root) / README).read_text()
+    pages = page.render(catalog.sections(results))
+    return {**pages, README: replace_block(readme, serving.readme_block(results), str(README))}
 
 
-def stale(root: Path = ROOT) -> list[Path]:
-    """The generated files whose content differs from a fresh render (relative paths)."""
-    return [path for path, text in render_all(root).items()
-            if not (Path(root) / path).is_file() or (Path(root) / path).read_text() != text]
+def stale(root: Path = ROOT) -> dict[Path, str]:
+    """The generated files whose content differs from a fresh render: ``{relative path: fresh content}``."""
+    return {path: text for path, text in render_all(root).items()
+            if not (Path(root) / path).is_file() or (Path(root) / path).read_text() != text}
 
 
 def check(root: Path = ROOT) -> str | None:
@@ -69,13 +62,11 @@ def check(root: Path = ROOT) -> str | None:
 
 def write(root: Path = ROOT) -> list[Path]:
     """Write the generated files that changed; returns their paths."""
-    written = []
-    for path, text in render_all(root).items():
-        if not (Path(root) / path).is_file() or (Path(root) / path).read_text() != text:
-            (Path(root) / path).parent.mkdir(parents=True, exist_ok=True)
-            (Path(root) / path).write_text(text)
-            written.append(path)
-    return written
+    changed = stale(root)
+    for path, text in changed.items():
+        (Path(root) / path).parent.mkdir(parents=True, exist_ok=True)
+        (Path(root) / path).write_text(text)
+    return list(changed)
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,5 @@
-"""Cell formats and the one table helper every renderer shares.
-
-A value missing from a JSON (``None``, NaN) is written ``-``, so that a table never invents a figure.
-"""
+"""Cell formats (a value missing from a JSON, ``None`` or NaN, is written ``-``: a table never invents a figure), the
+one table helper every renderer shares, and the lines every run shows (command, machine)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,10 @@ import unicodedata
 from pathlib import Path
 
 RESULTS = Path("benchmarks/results")
+COMMAND = "python tools/render_numbers.py"
 CATALOG = tomllib.loads((Path(__file__).parent / "benchmarks.toml").read_text())  # what the pages show, in order
 LOCAL_FOLDER = re.compile(r"(?<![\w.])/(?:work|tmp|root|home/[\w.-]+)/[\w.+-]+")
+SHELL_COMMENT = re.compile(r"\s+#\s.*$", re.S)
 
 
 def load(path: Path) -> dict:
@@ -22,9 +22,6 @@ def load(path: Path) -> dict:
 
 
 def num(value, digits: int = 2, suffix: str = "") -> str:
-    """A float with ``digits`` decimals; strings pass through (some JSONs store formatted cells)."""
-    if isinstance(value, str):
-        return value
     if value is None or isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     return f"{value:.{digits}f}{suffix}"
@@ -33,14 +30,14 @@ def num(value, digits: int = 2, suffix: str = "") -> str:
 def ci(value, pair, digits: int = 2, suffix: str = "") -> str:
     """``1.05x [0.99, 1.11]``: a value with its 95% interval when the JSON has one."""
     text = num(value, digits, suffix)
-    if text == "-" or not pair or None in pair:
-        return text
-    return f"{text} [{pair[0]:.{digits}f}, {pair[1]:.{digits}f}]"
+    return text if text == "-" or not pair or None in pair else f"{text} [{pair[0]:.{digits}f}, {pair[1]:.{digits}f}]"
 
 
 def auto(value) -> str:
     """Any stored value as a cell: three significant digits, counts with separators, lists joined, intervals kept."""
-    if value is None or isinstance(value, str):
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, str):
         return value or "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
@@ -48,7 +45,7 @@ def auto(value) -> str:
         return f"{int(value):,}"
     if isinstance(value, float):  # three significant digits, and at least three decimals under 10 (1.169 vs 1.171)
         digits = 2 - math.floor(math.log10(abs(value) or 1))
-        return "-" if not math.isfinite(value) else num(value, max(digits, 3) if abs(value) < 10 else max(digits, 0))
+        return num(value, max(digits, 3) if abs(value) < 10 else max(digits, 0))
     if isinstance(value, list) and len(value) == 2 and isinstance(value[1], list):  # [value, [low, high]]
         return f"{auto(value[0])} [{', '.join(map(auto, value[1]))}]"
     if isinstance(value, list):
@@ -58,23 +55,18 @@ def auto(value) -> str:
 
 def table(header: list[str], rows: list[list]) -> list[str]:
     """A Markdown table, then a blank line: the only table writer, so every page's tables escape alike."""
-    def cell(value) -> str:
-        return str(value).replace("|", "\\|").replace("\n", " ")
+    def line(cells) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
 
-    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows] + [""])
-
-
-SHELL_COMMENT = re.compile(r"\s+#\s.*$", re.S)
+    return [line(header), "|" + "---|" * len(header), *map(line, rows), ""]
 
 
 def command_line(command: str | None, result: str | None = None) -> list[str]:
-    """The command that reproduces a result, as its JSON (``result``, under benchmarks/results/) records it, without
-    a trailing shell comment (``  # ...``: notes of the session that ran it; what a reader needs of them goes in the
-    benchmark's ``about`` in benchmarks.toml)."""
+    """The command a result's JSON (``result``) records, without its trailing shell comment (the running session's
+    notes: what a reader needs of them goes in the benchmark's ``about``)."""
     source = f" (`{RESULTS.as_posix()}/{result}`)" if result else ""
-    command = SHELL_COMMENT.sub("", command) if command else command
-    return [f"Command{source}: `{command}`" if command else f"Command{source}: not recorded in the JSON.", ""]
+    return [f"Command{source}: `{SHELL_COMMENT.sub('', command)}`" if command else
+            f"Command{source}: not recorded in the JSON.", ""]
 
 
 def threads_text(threads) -> str:
@@ -85,8 +77,8 @@ def cpu_text(cpu: dict | None) -> str:
     """``Intel(R) Xeon(R) Processor, 2 cores, AVX-512 yes, AMX yes``, or what of it the JSON recorded."""
     cpu = cpu or {}
     flags = [f"{name} {auto(cpu[key])}" for key, name in (("avx512f", "AVX-512"), ("amx", "AMX")) if key in cpu]
-    return ", ".join([cpu.get("model") or "CPU model not recorded"] + ([f"{cpu['cores']} cores"] if cpu.get("cores")
-                                                                       else []) + flags)
+    cores = [f"{cpu['cores']} cores"] if cpu.get("cores") else []
+    return ", ".join([cpu.get("model") or "CPU model not recorded", *cores, *flags])
 
 
 def machine_text(data: dict) -> str:
@@ -109,6 +101,5 @@ def slug(heading: str) -> str:
 
 
 def without_local_paths(text: str) -> str:
-    """The JSON files record the folders a run used on its machine (``/work/cloneA/...``); a page names the part a
-    reader can reproduce: ``<local folder>/outputs/...``."""
+    """A run's own folders (``/work/cloneA/...``) as ``<local folder>/...``: a page names what a reader reproduces."""
     return LOCAL_FOLDER.sub("<local folder>", text)

@@ -1,6 +1,5 @@
-"""Benchmarks described, not coded: a ``[[benchmark]]`` of benchmarks.toml names its JSON files and where its
-tables are in them (the file's header says how). Each file is one run, oldest first; a run shows the command and the
-machine its JSON records, the texts it stores about itself, then its tables."""
+"""Benchmarks described, not coded: a ``[[benchmark]]`` of benchmarks.toml names its JSON files and where its tables
+are in them (the file's header says how). Each file is one run, oldest first."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import re
 from pathlib import Path
 
 from .format import auto, command_line, load, machine_text, table
-from .page import Run, Section
+from .page import Run, Section, section
 
 STORED_TEXTS = ("what", "setup", "model", "note", "machine_note", "reading")  # a run's own words, quoted verbatim
 
@@ -66,28 +65,25 @@ def render_table(spec: dict, data: dict) -> list[str]:
     return lines
 
 
-def without_sentences(text: str, openings: list[str]) -> str:
-    """``text`` without the sentences that begin with one of ``openings`` (a benchmark's ``omit_sentences``: a
-    stored text's account of earlier runs, which the archive and the design history keep)."""
-    sentences = re.split(r"(?<=\.) (?=[A-Z])", text)
-    return " ".join(s for s in sentences if not s.startswith(tuple(openings)))
-
-
 def run_lines(spec: dict, data: dict, name: str) -> list[str]:
     """One run: the command and machine its JSON records, the texts it stores about itself, its tables."""
     meta = data["meta"] if isinstance(data.get("meta"), dict) and "command" in data["meta"] else data
-    command = meta.get("command") or (data.get("settings") or {}).get("command")
-    lines = [*command_line(command, name), machine_text(meta), ""]
+    lines = [*command_line(meta.get("command") or (data.get("settings") or {}).get("command"), name),
+             machine_text(meta), ""]
+    omitted = tuple(spec.get("omit_sentences", []))  # a stored account of earlier runs, which the archive keeps
     for key in (k for k in STORED_TEXTS if isinstance(data.get(k), str)):
-        text = without_sentences(data[key], spec.get("omit_sentences", []))
+        sentences = re.split(r"(?<=\.) (?=[A-Z])", data[key])
+        text = " ".join(s for s in sentences if not s.startswith(omitted))
         lines += [f"{key.replace('_', ' ').capitalize()} (stored with the result): {text}", ""]
     return lines + [line for t in spec.get("table", []) for line in render_table(t, data)]
 
 
+def files(spec: dict, results: Path) -> list[Path]:
+    """The result files a ``[[benchmark]]`` names, oldest run first."""
+    return [path for pattern in spec["files"] for path in sorted(results.glob(pattern))]
+
+
 def render(spec: dict, results: Path) -> Section | None:
-    """A ``[[benchmark]]``'s section, one run per file; ``None`` when no file exists (and nothing is ``always``)."""
-    paths = [p for pattern in spec["files"] for p in sorted(results.glob(pattern))]
-    runs = [Run(f"`{p.name}`", run_lines(spec, load(p), p.name)) for p in paths]
-    runs = runs or ([Run(None, [spec["always"], ""])] if spec.get("always") else [])
-    return Section(spec["title"], spec["group"], [spec["about"], ""], runs, spec.get("superseded", False)) if runs \
-        else None
+    """A ``[[benchmark]]``'s section, one run per file (or its ``always`` text while no file exists)."""
+    runs = [Run(f"`{p.name}`", run_lines(spec, load(p), p.name)) for p in files(spec, results)]
+    return section(spec, runs or ([Run(None, [spec["always"], ""])] if spec.get("always") else []))

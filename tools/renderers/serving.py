@@ -1,9 +1,8 @@
-"""Served side-by-side results (``benchmarks/compiled_serving.py``, the main job's own evaluation) and the README table.
+"""Served side-by-side runs (``benchmarks/compiled_serving.py``, the main job's own evaluation) and the README's table.
 
-A speedup against "plain decoding" is against plain decoding at the row's own runtime and precision: an int8
-speculative row against int8 plain decoding, a llama.cpp row against llama.cpp. ``own_speedup`` enforces it and raises
-``MixedReferenceError`` for a row compared with plain decoding elsewhere, so no table credits speculation with what a
-precision or a runtime gained. The one cross-runtime column compares every row with transformers' eager ``generate``.
+Every speedup is against plain decoding at the row's own runtime and precision (``own_speedup`` raises
+``MixedReferenceError`` otherwise), so no table credits speculation with what a precision or a runtime gained; the one
+cross-runtime column compares every row with transformers' eager ``generate``.
 """
 
 from __future__ import annotations
@@ -11,9 +10,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .format import (CATALOG, RESULTS, ci, command_line, cpu_text, load, num, slug, table, threads_text,
+from .format import (CATALOG, COMMAND, RESULTS, ci, command_line, cpu_text, load, num, slug, table, threads_text,
                      without_local_paths)
-from .page import Run, Section
+from .page import Run, Section, section
 
 HEADING, EAGER = "Compiled serving", "hf_generate_eager"
 PROMPT_SETS = {"mtbench": "MT-bench", "code": "code", "sharegpt_test": "ShareGPT test"}
@@ -21,7 +20,6 @@ ARM = re.compile(r"(?P<kind>hf_generate_eager|hf_generate_compiled|compiled_plai
                  r"llama_cpp_speculative)(?:\[(?P<inner>[^\]]*)\])?")
 WHAT = {"ppow": "the trained drafter alone", "prompt_lookup": "prompt lookup (no training)",
         "hybrid": "the trained drafter and prompt lookup (hybrid)", "eagle3": "an EAGLE-3 head"}
-LOOKUPS_ALONE = "the hybrid served as prompt lookup alone (its trained drafter proposes nothing)"
 MAIN_JOB = "main_job.json"  # benchmarks/main_job.py: the current main job, which the README's prose reports
 
 
@@ -97,6 +95,12 @@ def runs(results: Path) -> list[tuple[str, str, str]]:
     return [run for run in listed if run[:2] in found] + new
 
 
+def prompt_sets(data: dict, key: str) -> list[tuple[str, str]]:
+    """The runs at one thread count (``threads1/mtbench``, ...), each with its prompt set's name."""
+    return [(run, PROMPT_SETS.get(name, name)) for run in data["runs"] for threads, _, name in [run.partition("/")]
+            if threads == key]
+
+
 def run_lines(data: dict, key: str, name: str) -> list[str]:
     """One run at one thread count: its reading, machine and command, a table per prompt set, its served rules."""
     meta = data["meta"][key]
@@ -107,11 +111,10 @@ def run_lines(data: dict, key: str, name: str) -> list[str]:
               f"batch 1; drafter `{meta.get('drafter', '-')}`"
               + ("; the bf16 and int8 rows' drafters at their target's precision" if converted else "") + ".", "",
               *command_line(meta.get("command") or data.get("command"), name)]
-    for run in (r for r in data["runs"] if r.split("/", 1)[0] == key):
-        block, prompt_set = data["runs"][run], run.split("/", 1)[1]
-        lines += [f"**{PROMPT_SETS.get(prompt_set, prompt_set)}**: {block.get('prompts', '-')} prompts "
-                  f"({block.get('skipped_too_long', 0)} longer than the static cache passed over)", "",
-                  *served_table(block["arms"])]
+    for run, label in prompt_sets(data, key):
+        block = data["runs"][run]
+        lines += [f"**{label}**: {block.get('prompts', '-')} prompts ({block.get('skipped_too_long', 0)} longer than "
+                  "the static cache passed over)", "", *served_table(block["arms"])]
     rules = meta.get("rules") or {}
     near = [a for a, r in rules.items() if (p := re.search(r"predicted ([0-9.]+)x", r)) and float(p[1]) < 1.05]
     lines += ["Served rules (`calibrate_for_serving` on the compiled runtime's measured costs):", "",
@@ -123,74 +126,42 @@ def run_lines(data: dict, key: str, name: str) -> list[str]:
 
 
 def compiled_serving(spec: dict, results: Path) -> Section | None:
-    found = [Run(f"{HEADING} {suffix}", run_lines(load(results / name), key, name))
-             for name, key, suffix in runs(results)]
-    return Section(HEADING, spec["group"], [spec["about"], ""], found) if found else None
+    return section(spec, [Run(f"{HEADING} {suffix}", run_lines(load(results / name), key, name))
+                          for name, key, suffix in runs(results)], title=HEADING)
 
 
 def main_job_compiled(spec: dict, results: Path) -> Section | None:
-    if not (results / "main_job_compiled.json").is_file():
-        return None
+    """The main job's runs on the compiled runtime: their facts and their own side-by-side evaluation."""
     found = []
-    for i, run in enumerate(load(results / "main_job_compiled.json")["runs"], 1):
-        key = next((k for k in run if k.startswith("served_side_by_side")), "served_evaluation")
-        served = run.get(key) or {}
+    path = results / spec["files"][0]
+    for i, run in enumerate(load(path)["runs"] if path.is_file() else [], 1):
+        served = run.get(next((k for k in run if k.startswith("served_side_by_side")), "served_evaluation")) or {}
         arms = {k: v for k, v in (served.get("arms") or served).items() if isinstance(v, dict)}
         facts = [f"- {field.replace('_', ' ')}: {run[field]}" for field in (
             "wall_clock", "served_rule", "hybrid_rule", "lookup_rule", "reading") if run.get(field)]
         found.append(Run(f"Main job run {i}", [
             *([f"*{run['label']}*", ""] if run.get("label") else []), *command_line(run.get("command")),
             f"Machine: {cpu_text(run.get('cpu'))}.", "", *facts, "", *served_table(arms)]))
-    return Section(spec["title"], spec["group"], [spec["about"], ""], found, spec.get("superseded", False))
+    return section(spec, found)
 
 
-def drafter_scope(results: Path, meta: dict) -> str:
-    """Which trained drafter the README's rows measured, and whether it is the current main job's: a sentence.
-
-    The side-by-side run records the drafter it was given (``meta["drafter"]``); the current main job
-    (``main_job.json``) records its output folder and CPU. The drafter is called the main job's only when the run
-    read that folder's ``merged/`` on the same CPU model; otherwise the sentence says it is another drafter."""
-    drafter = meta.get("drafter") or (meta.get("settings") or {}).get("drafter")
-    if not drafter:
-        return ""
-    shown = without_local_paths(drafter)
-    if not (results / MAIN_JOB).is_file():
-        return f" The trained drafter in these rows is `{shown}` (the run's `--drafter`)."
-    job = load(results / MAIN_JOB)
-    output = re.search(r"--output_dir\s+(\S+)", job.get("job") or "")
-    output = output[1] if output else "outputs/ppow-smollm2-offline"
-    machine = (job.get("cpu") or {}).get("model") or "CPU model not recorded"
-    rule = job.get("served_rule") or {}
-    served = f", served K = {rule['max_window']}" if rule.get("max_window") is not None else ""
-    same = drafter.rstrip("/").endswith(f"{output.rstrip('/')}/merged") and machine == (meta.get("cpu") or {}).get(
-        "model")
-    if same:
-        return (f" The trained drafter in these rows is `{shown}`, the folder the main job writes, on the CPU model "
-                f"of the current main job (`{RESULTS.as_posix()}/{MAIN_JOB}`).")
-    return (f" The trained drafter in these rows is `{shown}` (the run's `--drafter`), not the drafter of the "
-            f"current main job (`{RESULTS.as_posix()}/{MAIN_JOB}`: {machine}{served}), which the main job's own "
-            "evaluation measures.")
-
-
-def readme_block(results: Path, command: str) -> str:
-    """The README's results: the newest side-by-side run's served rows, each against its own plain decoding."""
+def readme_block(results: Path) -> str:
+    """What goes between the README's results markers."""
     name, key, _ = runs(results)[-1]
     data = load(results / name)
-    meta = data["meta"][key]
-    sets = [(run, PROMPT_SETS.get(run.split("/", 1)[1], run.split("/", 1)[1])) for run in data["runs"]
-            if run.split("/", 1)[0] == key]
+    meta, sets = data["meta"][key], prompt_sets(data, key)
     served = [a for a in dict.fromkeys(a for run, _ in sets for a in data["runs"][run]["arms"]) if ":" not in a]
-    rows = [_headline_row(arm, [data["runs"][run]["arms"].get(arm) or {} for run, _ in sets])
+    rows = [_row(arm, [data["runs"][run]["arms"].get(arm) or {} for run, _ in sets])
             for arm in sorted(served, key=_reading_order)]  # ":best_speculative" rows force a rule nobody serves
     gpu = ("no GPU figures exist yet" if not (results / "gpu_cost_profile.json").is_file()
            else "GPU figures: [GPU check](docs/benchmarks.md#gpu-check)")
     return "\n".join([
-        f"<!-- generated by `{command}` from benchmarks/results/{name}: do not edit by hand -->",
+        f"<!-- generated by `{COMMAND}` from benchmarks/results/{name}: do not edit by hand -->",
         f"Every figure here is SmolLM2-135M-Instruct on one CPU ({cpu_text(meta.get('cpu'))}) at "
         f"{threads_text(meta.get('threads'))}, greedy, batch 1, "
         + " and ".join(f"{data['runs'][run].get('prompts', '-')} {label}" for run, label in sets)
         + f" prompts of up to {meta.get('max_new_tokens', '-')} new tokens, from the newest side-by-side run "
-        f"(`{RESULTS.as_posix()}/{name}`); {gpu}." + drafter_scope(results, meta), "",
+        f"(`{RESULTS.as_posix()}/{name}`); {gpu}." + _drafter_scope(results, meta), "",
         "Each speedup is a ratio of total times [95% CI] against plain decoding on the row's own runtime and "
         "precision (the rows marked `reference`). The last column compares every row with transformers' eager "
         "`generate` in fp32, so it adds what the runtime and the precision gain to what speculation gains. tau: "
@@ -202,6 +173,27 @@ def readme_block(results: Path, command: str) -> str:
     ])
 
 
+def _drafter_scope(results: Path, meta: dict) -> str:
+    """Which trained drafter the rows measured: the current main job's only when the run read the folder that job
+    writes (its ``merged/``) on the same CPU model."""
+    drafter = meta.get("drafter")
+    if not drafter:
+        return ""
+    said = f" The trained drafter in these rows is `{without_local_paths(drafter)}`"
+    if not (results / MAIN_JOB).is_file():
+        return said + " (the run's `--drafter`)."
+    job, where = load(results / MAIN_JOB), f"`{RESULTS.as_posix()}/{MAIN_JOB}`"
+    output = re.search(r"--output_dir\s+(\S+)", job.get("job") or "")
+    output = output[1] if output else "outputs/ppow-smollm2-offline"
+    machine = (job.get("cpu") or {}).get("model") or "CPU model not recorded"
+    if drafter.rstrip("/").endswith(f"{output.rstrip('/')}/merged") and machine == (meta.get("cpu") or {}).get("model"):
+        return said + f", the folder the main job writes, on the CPU model of the current main job ({where})."
+    rule = job.get("served_rule") or {}
+    served = f", served K = {rule['max_window']}" if rule.get("max_window") is not None else ""
+    return said + (f" (the run's `--drafter`), not the drafter of the current main job ({where}: {machine}{served}), "
+                   "which the main job's own evaluation measures.")
+
+
 def _reading_order(arm: str) -> tuple:
     """ppow_trl's fp32 rows, its other precisions, transformers, llama.cpp; each plain row before its speculation."""
     runtime, precision = footing(arm)
@@ -209,9 +201,8 @@ def _reading_order(arm: str) -> tuple:
     return rank, precision != "fp32", precision, not is_plain(arm)
 
 
-def _what(arm: str, stored: dict | None = None) -> str:
-    """What a row is, in words: the README names the trained drafter alone and the lookups. A hybrid whose served
-    rule (``stored["rule"]``) is its lookups alone is named so: its trained drafter contributes nothing there."""
+def _what(arm: str, stored: dict) -> str:
+    """What a row is, in words; a hybrid whose served rule is its lookups alone is named so."""
     if arm.startswith("hf_"):
         return "transformers `generate`"
     if is_plain(arm):
@@ -219,8 +210,8 @@ def _what(arm: str, stored: dict | None = None) -> str:
     if arm.startswith("llama_cpp"):
         return "llama.cpp's draft model hook, the trained drafter"
     drafter = ARM.fullmatch(arm)["inner"].partition("@")[0]
-    if drafter == "hybrid" and "lookups alone" in ((stored or {}).get("rule") or ""):
-        return LOOKUPS_ALONE
+    if drafter == "hybrid" and "lookups alone" in (stored.get("rule") or ""):
+        return "the hybrid served as prompt lookup alone (its trained drafter proposes nothing)"
     return WHAT.get(drafter, drafter)
 
 
@@ -236,8 +227,8 @@ def _short_rule(arm: dict) -> str:
     return (window[0] if window else rule.split(";")[0] or "-") + alone
 
 
-def _headline_row(arm: str, per_set: list[dict]) -> list:
-    """One README row: what it is, where it runs, its rule, its speedup per prompt set, tau, lossless, vs HF eager."""
+def _row(arm: str, per_set: list[dict]) -> list:
+    """One row: what it is, where it runs, its rule, its speedup per prompt set, tau, lossless, vs HF eager."""
     speedups = []
     for a in per_set:
         reference, speedup, interval = own_speedup(arm, a) if a else (None, None, None)
