@@ -162,8 +162,9 @@ def build_target_responses(
 
     Precision (``precision="bf16"``): a float32 target decodes with a bfloat16 copy of its weights (a quantized or
     already half-precision target decodes as it is). A decode step mostly reads the weights, so half the bytes pay:
-    on a 2-core AMD EPYC (avx512_bf16), one thread, batch 64 of short ShareGPT prompts decoded 171 tokens/s against
-    124 in float32 (`benchmarks/results/data_throughput.json`). The text is then the bf16 model's greedy text: the
+    on a 2-core AMD EPYC (avx512_bf16), one process of one thread, batch 64 of the shortest ShareGPT prompts decoded
+    171 tokens/s against 124 in float32 (a one-off measurement; `benchmarks/data_throughput.py` has the
+    `regenerate_batched_bf16` row, not yet rerun). The text is then the bf16 model's greedy text: the
     same model, but its near-ties break otherwise (on 64 prompts x 128 tokens, 16 answers were identical and the
     others first differed after 37 tokens on average), and the labels are its log-probabilities. That is training
     data, not served output: serving and the served rule's calibration stay on the target's own precision.
