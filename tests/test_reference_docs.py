@@ -57,9 +57,15 @@ def _section(page: str, heading: str) -> str:
     return page.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def test_the_generated_files_are_up_to_date(render_reference):
-    message = render_reference.check(ROOT)
-    assert message is None, message
+def test_the_generated_files_are_up_to_date():
+    # In a fresh interpreter, as `make reference` runs it: inside the full suite, in a worker that had run other
+    # tests first, the in-process render of docs/configuration.md once differed from a clean one (some test leaves
+    # global state behind; not yet found), which is not what a user's `--check` sees.
+    import subprocess
+
+    run = subprocess.run([sys.executable, "tools/render_reference.py", "--check"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_every_declared_field_is_on_the_page_with_its_default(render_reference, config_classes):
