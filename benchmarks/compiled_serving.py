@@ -240,7 +240,9 @@ def child(args) -> dict:
                                      "loop_overhead (o_0, o_r, o_d)": [round(c.plain_overhead, 4), round(c.round_overhead, 4),
                                                                        round(c.drafted_token_overhead, 4)]}
                               for name, c in costs.items()},
-              "rules": {name: p.calibration["serving_rule"] for name, p in rules.items()}, "runtimes": served_on,
+              "rules": {name: p.calibration["serving_rule"] for name, p in rules.items()},
+              "served_rules": {name: {"max_window": p.max_window, "threshold": p.threshold} for name, p in rules.items()},
+              "runtimes": served_on,
               "llama_cpp": llama_cpp,
               "run_state": str(state)}
     sets = {"mtbench": args.mtbench, "code": args.code}

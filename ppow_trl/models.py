@@ -208,8 +208,15 @@ def _looks_like_local_path(name: str) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def truncate_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
-    """A new causal LM of the same class made of `model`'s first `num_layers` decoder layers.
+def truncate_model(model: PreTrainedModel, num_layers: int | None = None, *,
+                   layer_ids: Sequence[int] | None = None) -> PreTrainedModel:
+    """A new causal LM of the same class made of `model`'s first `num_layers` decoder layers, or of the layers
+    `layer_ids` (in increasing order, e.g. `[0, 29]`: the first and the last, the middle ones skipped).
+
+    Keeping a later layer (self-speculative drafters in the manner of Draft & Verify skip the middle ones) gives the
+    drafter a layer the final norm and head were trained after; untrained, SmolLM2-135M's `[0, 29]` agrees with the
+    target's greedy token less often than its first two layers do (the skipped layers' residual is missing), so the
+    choice is one to measure after distillation, not a default.
 
     Embeddings, final norm and output head are copied too (tied embeddings stay tied when the config
     says so), and `config.num_hidden_layers` (and `layer_types`, where present) shrink to match, so the
@@ -219,19 +226,21 @@ def truncate_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     Qwen2/3, Gemma, ...).
     """
     layers_name, layers = _decoder_layers(model)
-    if not 1 <= num_layers <= len(layers):
-        raise ValueError(f"num_layers must be between 1 and {len(layers)} (the model's layers), got {num_layers}.")
+    kept = _kept_layers(len(layers), num_layers, layer_ids)
     config = copy.deepcopy(model.config)
-    config.num_hidden_layers = num_layers
+    config.num_hidden_layers = len(kept)
     if getattr(config, "layer_types", None) is not None:
-        config.layer_types = config.layer_types[:num_layers]
+        config.layer_types = [config.layer_types[i] for i in kept]
     truncated = type(model)._from_config(config, dtype=model.dtype)
     layer_key = re.compile(rf"^{re.escape(layers_name)}\.(\d+)\.")
-    state = {
-        key: value
-        for key, value in model.state_dict().items()
-        if (match := layer_key.match(key)) is None or int(match.group(1)) < num_layers
-    }
+    position = {old: new for new, old in enumerate(kept)}  # the kept layers, renumbered 0..n-1
+    state = {}
+    for key, value in model.state_dict().items():
+        match = layer_key.match(key)
+        if match is None:
+            state[key] = value
+        elif int(match.group(1)) in position:
+            state[f"{layers_name}.{position[int(match.group(1))]}.{key[match.end():]}"] = value
     try:
         truncated.load_state_dict(state, strict=True)  # copies values: no storage shared with the target
     except RuntimeError as error:
@@ -244,6 +253,21 @@ def truncate_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
         ) from error
     truncated.generation_config = copy.deepcopy(model.generation_config)
     return truncated.to(model.get_input_embeddings().weight.device).eval()
+
+
+def _kept_layers(total: int, num_layers: int | None, layer_ids: Sequence[int] | None) -> list[int]:
+    """The decoder layers a truncated model keeps: the first `num_layers`, or `layer_ids` (sorted, distinct)."""
+    if (num_layers is None) == (layer_ids is None):
+        raise ValueError("Pass exactly one of `num_layers` (the first layers) or `layer_ids` (which layers).")
+    if layer_ids is None:
+        if not 1 <= num_layers <= total:
+            raise ValueError(f"num_layers must be between 1 and {total} (the model's layers), got {num_layers}.")
+        return list(range(num_layers))
+    kept = sorted({int(i) for i in layer_ids})
+    if not kept or kept[0] < 0 or kept[-1] >= total or len(kept) != len(layer_ids):
+        raise ValueError(f"layer_ids must be distinct layer indices in [0, {total - 1}] (the model has {total} "
+                         f"decoder layers), got {list(layer_ids)}.")
+    return kept
 
 
 def _decoder_layers(model: PreTrainedModel) -> tuple[str, torch.nn.ModuleList]:
@@ -263,6 +287,7 @@ def make_drafter(
     target: PreTrainedModel | None = None,
     *,
     num_layers: int | None = None,
+    layer_ids: Sequence[int] | None = None,
     pretrained: str | Path | None = None,
     draft_vocab_ids: Sequence[int] | torch.Tensor | None = None,
     target_tokenizer=None,
@@ -276,20 +301,22 @@ def make_drafter(
         `target`, `check_compatibility` runs; `target_tokenizer` defaults to the tokenizer saved with the
         target and `drafter_tokenizer` to the one saved with `pretrained` (if any). `load_kwargs` go to
         `from_pretrained`; without a `device_map` among them the drafter goes to the target's device.
-      - `num_layers`: the target's first `num_layers` layers (`truncate_model`; the target must not be
-        quantized).
+      - `num_layers`: the target's first `num_layers` layers, or `layer_ids`: those of its layers (`truncate_model`;
+        the target must not be quantized).
     Then, if `draft_vocab_ids` is given, the drafter gets a reduced output head over those target ids
     (`PPOWDrafterForCausalLM`; logits stay full width, `-inf` outside the draft vocabulary). Use
     `build_draft_vocab` to choose them and `draft_vocab_coverage` to report what they miss.
     """
-    if (pretrained is None) == (num_layers is None):
-        raise ValueError("Pass exactly one of `pretrained` (a small model) or `num_layers` (truncate the target).")
-    if num_layers is not None:
+    truncated = num_layers is not None or layer_ids is not None
+    if (pretrained is None) == (not truncated):
+        raise ValueError("Pass exactly one of `pretrained` (a small model) or `num_layers` / `layer_ids` (truncate "
+                         "the target).")
+    if truncated:
         if target is None:
-            raise ValueError("`num_layers` truncates the target: pass `target`.")
+            raise ValueError("`num_layers` / `layer_ids` truncate the target: pass `target`.")
         if load_kwargs:
             raise ValueError(f"{sorted(load_kwargs)} only apply to `pretrained` drafters.")
-        drafter = truncate_model(target, num_layers)
+        drafter = truncate_model(target, num_layers, layer_ids=layer_ids)
     else:
         drafter = _load_causal_lm(pretrained, **load_kwargs)
         if target is not None and "device_map" not in load_kwargs and model_device(drafter) != model_device(target):

@@ -62,6 +62,9 @@ class PPOWScriptArguments:
             `drafter_layers` layers are used.
         drafter_layers (`int`, *optional*, defaults to `2`):
             Layers kept when the drafter is the truncated target.
+        drafter_layer_ids (`list[int]`, *optional*):
+            Which of the target's layers the truncated drafter keeps (e.g. `[0, 29]`: the first and the last,
+            whose output the final norm and head were trained on); default: the first `drafter_layers`.
         drafter_type (`str`, *optional*, defaults to `"standalone"`):
             `standalone` (a causal LM: the truncated target or `drafter_model`), `eagle3` (an EAGLE-3 head reading
             the target's hidden states, `ppow_trl.drafters.eagle3`: KD with training-time test, PPOW through the same trainer)
@@ -179,6 +182,8 @@ class PPOWScriptArguments:
         "help": "Pretrained drafter; default: truncated target."})
     drafter_layers: int = field(default=2, metadata={
         "help": "Layers of the truncated-target drafter."})
+    drafter_layer_ids: list[int] | None = field(default=None, metadata={
+        "help": "Which target layers the truncated drafter keeps (e.g. 0 29); default: the first drafter_layers."})
     drafter_type: str = field(default="standalone", metadata={
         "help": "The drafter family (ppow_trl.drafting): standalone | eagle3 | dflash"})
     # The family fields (FAMILY_FIELDS below) belong to one drafter family each.
@@ -304,6 +309,7 @@ FAMILY_FIELDS: dict[str, tuple[str, str | None]] = {
     # drafter is loaded from, in any layout the family imports)
     "drafter_model": ("standalone", "pretrained"),
     "drafter_layers": ("standalone", "num_layers"),
+    "drafter_layer_ids": ("standalone", "layer_ids"),
     "eagle3_checkpoint": ("eagle3", None),
     "eagle3_layer_ids": ("eagle3", "target_layer_ids"),
     "dflash_checkpoint": ("dflash", None),

@@ -201,3 +201,29 @@ def test_run_benchmark_checks_its_inputs():
         run_benchmark(target, tokenizer, [drafter], prompts, methods=["medusa"], max_new_tokens=4)
     with pytest.raises(ValueError, match="No prompts"):
         run_benchmark(target, tokenizer, [drafter], [], max_new_tokens=4)
+
+
+def test_long_recipe_record_reads_a_real_serving_result():
+    """benchmarks/long_recipe.py's summary of a compiled_serving.py result (a committed one): the served rule's and the
+    hybrid's figures against compiled plain decoding, per prompt set, with the training run's tokens and hours."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("long_recipe", repo / "benchmarks" / "long_recipe.py")
+    long_recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(long_recipe)
+    serving = json.loads((repo / "benchmarks" / "results" / "compiled_serving_xeon_amx_eagle3.json").read_text())
+    summary = {"train_tokens": 2_000_000, "minutes": 171.0, "cpu": {"model": "x"}, "config": {}}
+    record = long_recipe.long_recipe_record(summary, serving, "eagle3")
+    arm = serving["runs"]["threads1/mtbench"]["arms"]["compiled_speculative[eagle3]"]
+    assert record["hours"] == 2.85 and record["train_tokens"] == 2_000_000
+    assert record["mtbench"]["speedup"] == arm["speedup_vs_reference"] and record["mtbench"]["tau"] == arm["tau"]
+    assert record["mtbench"]["lossless_prompts"] == arm["lossless_prompts"]
+    assert record["code"]["with_hybrid"]["speedup"] == (
+        serving["runs"]["threads1/code"]["arms"]["compiled_speculative[hybrid]"]["speedup_vs_reference"])
+    assert record["mtbench"]["rule"].startswith("No speculation")  # that run served K = 0
+    standalone = long_recipe.long_recipe_record(summary, serving, "standalone")
+    assert standalone["mtbench"]["speedup"] == (
+        serving["runs"]["threads1/mtbench"]["arms"]["compiled_speculative[ppow]"]["speedup_vs_reference"])

@@ -57,6 +57,35 @@ def test_truncate_model_copies_and_keeps_ties(tiny_target):
         truncate_model(tiny_target, 5)
 
 
+def test_truncate_model_keeps_chosen_layers_in_order(tiny_target):
+    """layer_ids [0, 3]: the residual stream through layers 0 and 3 only, computed by hand from the target's modules."""
+    truncated = truncate_model(tiny_target, layer_ids=[3, 0])  # any order: the layers run in the model's order
+    input_ids = _inputs()
+    assert truncated.config.num_hidden_layers == 2
+    assert [layer.self_attn.layer_idx for layer in truncated.model.layers] == [0, 1]  # renumbered for the KV cache
+    assert torch.equal(truncated.model.layers[1].mlp.down_proj.weight, tiny_target.model.layers[3].mlp.down_proj.weight)
+    with torch.no_grad():
+        model = tiny_target.model
+        hidden = model.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+        rotary = model.rotary_emb(hidden, positions)
+        mask = torch.full((input_ids.shape[1],) * 2, float("-inf")).triu(1)[None, None]
+        for index in (0, 3):
+            hidden = model.layers[index](hidden, attention_mask=mask, position_embeddings=rotary,
+                                         position_ids=positions)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        expected = tiny_target.lm_head(model.norm(hidden))
+        torch.testing.assert_close(truncated(input_ids).logits, expected)
+    with pytest.raises(ValueError, match="distinct layer indices in \\[0, 3\\]"):
+        truncate_model(tiny_target, layer_ids=[0, 4])
+    with pytest.raises(ValueError, match="distinct"):
+        truncate_model(tiny_target, layer_ids=[1, 1])
+    with pytest.raises(ValueError, match="exactly one"):
+        truncate_model(tiny_target, 2, layer_ids=[0, 1])
+    drafter = make_drafter(tiny_target, layer_ids=[0, 3])
+    assert drafter.config.num_hidden_layers == 2
+
+
 def test_truncate_model_shortens_layer_types():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -124,14 +124,18 @@ class StandaloneFamily(DrafterFamily):
         return "gguf" if gguf_files(folder_or_repo, **hub_kwargs) else None
 
     def build(self, target, tokenizer=None, *, draft_vocab_ids=None, seed: int | None = 0,
-              target_name_or_path: str | None = None, num_layers: int | None = 2, pretrained: str | None = None,
-              **options):
-        """The target's first ``num_layers`` layers, or the causal LM ``pretrained`` (``make_drafter``), with a
-        reduced head over ``draft_vocab_ids`` when given. Deterministic: nothing is drawn at random."""
+              target_name_or_path: str | None = None, num_layers: int | None = 2, layer_ids=None,
+              pretrained: str | None = None, **options):
+        """The target's first ``num_layers`` layers, its layers ``layer_ids`` (e.g. ``[0, 29]``), or the causal LM
+        ``pretrained`` (``make_drafter``), with a reduced head over ``draft_vocab_ids`` when given. Deterministic:
+        nothing is drawn at random."""
         if options:
             raise ValueError(f"{sorted(options)} do not apply to standalone drafters.")
-        return make_drafter(target, num_layers=None if pretrained else num_layers, pretrained=pretrained,
-                            draft_vocab_ids=draft_vocab_ids, target_tokenizer=tokenizer)
+        if pretrained and layer_ids:
+            raise ValueError("`layer_ids` truncates the target; a `pretrained` drafter is used as it is.")
+        truncation = {} if pretrained else ({"layer_ids": layer_ids} if layer_ids else {"num_layers": num_layers})
+        return make_drafter(target, pretrained=pretrained, draft_vocab_ids=draft_vocab_ids, target_tokenizer=tokenizer,
+                            **truncation)
 
     def load(self, folder_or_repo, *, target=None, trust_remote_code: bool = False, **from_pretrained_kwargs):
         """``AutoModelForCausalLM.from_pretrained`` (``import ppow_trl`` registers ``PPOWDrafterForCausalLM``),
