@@ -23,9 +23,19 @@ another online guard than the current ``DEFAULT_GUARD`` is evaluated again after
 ``superseded``): the served rule's measurement depends on the guard. The regenerated responses and top-k labels are cached
 under ``cache_root()`` and resume where a killed run stopped. fp32, one torch thread per process.
 
+``--pool-config RECIPE.yaml`` takes the pool from a recipe's own training data instead (``training_data`` of
+``recipes/ppow_llama.py`` with that config, read from its cache when the recipe has run: the long recipe's ~2M tokens
+of ShareGPT answers labelled teacher-forced and the target's answers to its shortest prompts), shuffled with seed 0 so
+that every prefix holds both kinds in the same proportion, with the recipe's held-out target answers as calibration
+contexts, the draft vocabulary from the target's top-1 and KD as the recipe runs it (its ``kd_precision``,
+length-grouped batches, warm-up over a tenth of the steps).
+
     accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml benchmarks/data_scaling.py
     python benchmarks/data_scaling.py --pool 24 --points 600 1200 --epochs 1 --mtbench 3 --sharegpt 3 \\
         --timed-prompts 1 --out /tmp/ds.json                                   # a smoke run in one process
+    accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml benchmarks/data_scaling.py \\
+        --pool-config recipes/configs/offline_smollm2_long.yaml --points 250000 500000 1000000 2000000 \\
+        --epochs 2 --out benchmarks/results/data_scaling_mixed.json          # the curve to 2M tokens, mixed data
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from datasets import concatenate_datasets
 from transformers import AutoTokenizer
 
 from ppow_trl.serving.calibration import held_out_contexts
-from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts, stop_token_ids
+from ppow_trl.data import build_target_responses, compute_target_topk, load_prompts, stop_token_ids, target_top1_ids
 from ppow_trl.serving.generation import speculative_generate
 from ppow_trl.training.kd_trainer import KDConfig, KDTrainer
 from ppow_trl.models import build_draft_vocab, load_target, make_drafter
@@ -60,7 +70,7 @@ from ppow_trl.drafting import load_drafter
 from ppow_trl.serving.rule import DEFAULT_GUARD, calibrate_for_serving
 from ppow_trl.serving.runtime import DEFAULT_MAX_CACHE_LEN, RUNTIMES, serving_runtime
 from ppow_trl.study.evaluate import greedy_records, summarize
-from ppow_trl.utils import cache_root, set_cpu_threads
+from ppow_trl.utils import cache_root, resolve_precision, set_cpu_threads
 from ppow_trl.core.windowing import AdaptiveWindowPolicy
 
 FIXED = AdaptiveWindowPolicy(4, 0.0)
@@ -69,9 +79,25 @@ BLOCK_PROMPTS = 256
 """Training prompts regenerated and labelled at a time (about 25k response tokens at 128 new tokens)."""
 CALIBRATION_PROMPTS = 48
 SETTINGS = ("pool_prompts", "max_new_tokens", "epochs", "runtime", "max_window", "mtbench_prompts",
-            "sharegpt_prompts", "timed_prompts", "timed_new_tokens", "batch_size", "processes", "threads")
+            "sharegpt_prompts", "timed_prompts", "timed_new_tokens", "batch_size", "processes", "threads",
+            "pool_config")
 """What a point's figures depend on besides its token count: a results file holding points of other settings is
 refused rather than mixed."""
+
+
+def recipe_pool(config: Path, target, tokenizer, cache: Path):
+    """``(train, calibration, script_args)``: a recipe's training data and held-out target answers, built (or read
+    from the cache) by the recipe's own ``training_data``, the training rows shuffled with seed 0."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import ppow_llama
+
+    script_args, training_args, _ = ppow_llama.make_parser().parse_args_and_config(["--config", str(config)])
+    ppow_llama.check_arguments(script_args, training_args)
+    prompts = load_prompts(script_args.train_prompts, num_samples=script_args.num_train_prompts,
+                           seed=training_args.seed)
+    train, calibration = ppow_llama.training_data(target, tokenizer, prompts, script_args, training_args.seed,
+                                                  Path(script_args.cache_dir) if script_args.cache_dir else cache)
+    return train.shuffle(seed=0).flatten_indices(), calibration, script_args
 
 
 def prefix_for_tokens(lengths: list[int], tokens: int) -> int:
@@ -141,6 +167,8 @@ def main(argv=None) -> int:
                         help="training prompts regenerated at a time (a block is cached as a whole)")
     parser.add_argument("--out", default="benchmarks/results/data_scaling.json")
     parser.add_argument("--work", default=None, help="drafters of each point (default: the ppow_trl cache)")
+    parser.add_argument("--pool-config", type=Path, default=None,
+                        help="a recipe config whose training data is the pool (e.g. the long recipe's)")
     args = parser.parse_args(argv)
     if (args.pool < 8 or sorted(args.points) != args.points or args.points[0] <= 0 or args.epochs <= 0
             or args.block_prompts < 1):
@@ -157,7 +185,8 @@ def main(argv=None) -> int:
                 "runtime": args.runtime, "max_window": args.max_window, "mtbench_prompts": args.mtbench,
                 "sharegpt_prompts": args.sharegpt, "timed_prompts": args.timed_prompts,
                 "timed_new_tokens": args.timed_new_tokens, "batch_size": args.batch_size,
-                "processes": state.num_processes, "threads": threads}
+                "processes": state.num_processes, "threads": threads,
+                "pool_config": str(args.pool_config) if args.pool_config else None}
     assert set(settings) == set(SETTINGS)
     other = {key: results.get(key) for key in SETTINGS if results.get(key) != settings[key]}
     if results["points"] and other:
@@ -170,12 +199,19 @@ def main(argv=None) -> int:
     cache = cache_root()
 
     start = time.perf_counter()
-    prompts = load_prompts("sharegpt", num_samples=args.pool, seed=0)
-    # Calibration contexts: the target's responses to the pool's last prompts, never trained on.
-    size = len(prompts)  # --pool or the whole split, if smaller
-    num_calibration = min(CALIBRATION_PROMPTS, max(2, size // 10))
-    calibration = responses_of(prompts.select(range(size - num_calibration, size)), target, tokenizer, args)
-    train_prompts = prompts.select(range(size - num_calibration))
+    recipe = None
+    if args.pool_config:
+        if not args.pool_config.is_file():
+            parser.error(f"--pool-config {args.pool_config}: no such file.")
+        pool, calibration, recipe = recipe_pool(args.pool_config, target, tokenizer, cache)
+        size = len(pool)
+    else:
+        prompts = load_prompts("sharegpt", num_samples=args.pool, seed=0)
+        # Calibration contexts: the target's responses to the pool's last prompts, never trained on.
+        size = len(prompts)  # --pool or the whole split, if smaller
+        num_calibration = min(CALIBRATION_PROMPTS, max(2, size // 10))
+        calibration = responses_of(prompts.select(range(size - num_calibration, size)), target, tokenizer, args)
+        train_prompts = prompts.select(range(size - num_calibration))
     tests = {"mtbench": load_prompts("mtbench", num_samples=args.mtbench),
              "sharegpt_test": load_prompts("sharegpt-test", num_samples=args.sharegpt, seed=0)}
     # every test prompt is evaluated (no length filter): the sets of earlier runs
@@ -199,6 +235,8 @@ def main(argv=None) -> int:
 
     def labelled_prefix(tokens: int):
         """Top-k-labelled responses of the first blocks, enough to hold ``tokens`` response tokens (or all)."""
+        if recipe is not None:  # the recipe's data, labelled already
+            return pool
         while (sum(sum(len(r) for r in block["response_ids"]) for block in blocks) < tokens
                and len(blocks) * args.block_prompts < len(train_prompts)):
             first = len(blocks) * args.block_prompts
@@ -240,8 +278,9 @@ def main(argv=None) -> int:
         global_batch = args.batch_size * state.num_processes
         steps = max(1, round(args.epochs * count / global_batch))
         point_start = time.perf_counter()
-        draft_vocab = build_draft_vocab(subset["response_ids"], 8192, len(tokenizer),
-                                        always_include=tokenizer.all_special_ids)
+        # the ids the target writes: its own tokens, or its top-1 along fixed answers (as the recipe builds it)
+        written = [target_top1_ids(subset)] if recipe is not None else subset["response_ids"]
+        draft_vocab = build_draft_vocab(written, 8192, len(tokenizer), always_include=tokenizer.all_special_ids)
         saved = work / f"kd-{tokens}" / "drafter"
         trained_on = {"responses": count, "kd_steps": steps, "global_batch": global_batch, "epochs": args.epochs}
         reuse = (saved / "trained_on.json").is_file() and json.loads((saved / "trained_on.json").read_text()) == trained_on
@@ -250,11 +289,15 @@ def main(argv=None) -> int:
             drafter = load_drafter(saved, target=target).eval() if state.is_main_process else None
         else:
             drafter = make_drafter(target, num_layers=2, draft_vocab_ids=draft_vocab).train()
+            as_recipe = {} if recipe is None else {  # KD as the recipe runs it
+                "warmup_steps": max(1, steps // 10), "train_sampling_strategy": "group_by_length",
+                "bf16_autocast": resolve_precision(recipe.kd_precision) == "bf16", "max_length": 1024}
             kd_args = KDConfig(output_dir=str(work / f"kd-{tokens}"), max_steps=steps,
-                               per_device_train_batch_size=args.batch_size, learning_rate=5e-4,
-                               lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20),
-                               logging_steps=max(1, steps // 10), save_strategy="no", report_to="none", seed=0,
-                               use_cpu=not torch.cuda.is_available(), max_length=640)
+                               **{"per_device_train_batch_size": args.batch_size, "learning_rate": 5e-4,
+                                  "lr_scheduler_type": "cosine", "warmup_steps": max(1, steps // 20),
+                                  "logging_steps": max(1, steps // 10), "save_strategy": "no", "report_to": "none",
+                                  "seed": 0, "use_cpu": not torch.cuda.is_available(), "max_length": 640,
+                                  **as_recipe})
             trainer = KDTrainer(model=drafter, args=kd_args, train_dataset=subset, processing_class=tokenizer,
                                 target=target)
             trainer.train()
