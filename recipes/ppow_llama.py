@@ -37,6 +37,8 @@ from ppow_trl.bench.served import compare_arms, format_arms, generate_arm, loop_
 from ppow_trl.serving.calibration import held_out_contexts
 from ppow_trl.data import (build_target_responses, build_teacher_forced, compute_target_features, encode_prompt,
                            load_prompts, load_sharegpt_conversations, stop_token_ids, target_top1_ids)
+from ppow_trl.data.features import FEATURES_COLUMN
+from ppow_trl.drafters.eagle3 import default_target_layer_ids
 from ppow_trl.drafting import get_family
 from ppow_trl.drafters.hybrid import hybrid_drafter
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target
@@ -364,7 +366,9 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
                        if script_args.serving_calibration_prompts else None)  # a bad source fails before any work
     # Under `accelerate launch` every process builds its share of the chunks (cached, resumable), then all load
     # every shard: the data costs 1/N of the time on N processes.
-    train_data, calibration_data = training_data(target, tokenizer, prompts, script_args, training_args.seed, cache)
+    feature_layers = planned_feature_layers(script_args, target) if script_args.kd_steps else None
+    train_data, calibration_data = training_data(target, tokenizer, prompts, script_args, training_args.seed, cache,
+                                                 feature_layer_ids=feature_layers)
     logger.info("%d %s examples (%d response tokens) for training, %d target responses held out for calibration",
                 len(train_data), script_args.train_data, sum(map(len, train_data["response_ids"])),
                 len(calibration_data))
@@ -399,8 +403,11 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         # the labels came with the data (same pass); shared by the processes like the responses
         topk = train_data
         layer_ids = family.target_layer_ids(drafter)
-        if layer_ids is not None:  # the drafter's inputs, computed once (float16, cached)
-            topk = compute_target_features(target, topk, layer_ids, batch_size=8, cache_dir=cache / "features")
+        if layer_ids is not None and (FEATURES_COLUMN not in topk.column_names or feature_layers != list(layer_ids)):
+            # the drafter's inputs, computed once (float16, cached), where the data's own pass did not keep them
+            topk = compute_target_features(target, topk.remove_columns([c for c in [FEATURES_COLUMN]
+                                                                        if c in topk.column_names]),
+                                           layer_ids, batch_size=8, cache_dir=cache / "features")
         kd_dir = Path(training_args.output_dir) / "kd"
         saving = {"save_strategy": "steps", "save_steps": script_args.kd_save_steps, "save_total_limit": 2} \
             if script_args.kd_save_steps else {"save_strategy": "no"}
@@ -490,7 +497,18 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
     return trainer
 
 
-def training_data(target, tokenizer, prompts, script_args, seed: int, cache: Path):
+def planned_feature_layers(script_args, target) -> list[int] | None:
+    """The target hidden states a fresh EAGLE-3 head will read (``eagle3_layer_ids`` or the family's default), known
+    before the head is built, so that the teacher-forced labelling keeps them in its own forward; None for other
+    families and for a head loaded from a checkpoint (its layers are read from it, the features computed after)."""
+    if script_args.drafter_type != "eagle3" or script_args.eagle3_checkpoint:
+        return None
+    layers = target.config.get_text_config().num_hidden_layers
+    return [int(i) for i in (script_args.eagle3_layer_ids or default_target_layer_ids(layers))]
+
+
+def training_data(target, tokenizer, prompts, script_args, seed: int, cache: Path,
+                  feature_layer_ids: list[int] | None = None):
     """``(train_data, calibration_data)``: rows with the KD columns (``prompt_ids``, ``response_ids``, ``topk_ids``,
     ``topk_logprobs``) and the target's greedy responses to held-out prompts, on which the served rule is predicted.
 
@@ -500,7 +518,9 @@ def training_data(target, tokenizer, prompts, script_args, seed: int, cache: Pat
     ``calibration_fraction`` of the prompts (``calibration_max_new_tokens`` each), since acceptance on its own text is
     what serving sees. ``mixed``: the ``regenerated_fraction`` of the prompts with the shortest prompts are answered
     by the target (``max_new_tokens``) and the others teacher-forced; the calibration prompts are held out among the
-    target's (``split_by_prompt_length``)."""
+    target's (``split_by_prompt_length``). With ``feature_layer_ids`` (an EAGLE-3 head's) the teacher-forced rows
+    carry the target's features from their labelling forward and the target's answers get theirs
+    (``compute_target_features``), so the training rows have them all."""
     num_calibration = max(1, int(round(len(prompts) * script_args.calibration_fraction)))
     regenerate = dict(batch_size=script_args.regeneration_batch_size, seed=seed, cache_dir=cache / "responses",
                       chunk_size=max(64, script_args.regeneration_batch_size))
@@ -534,7 +554,7 @@ def training_data(target, tokenizer, prompts, script_args, seed: int, cache: Pat
     train = build_teacher_forced(target, tokenizer, conversations.select(forced_ids),
                                  max_response_tokens=script_args.max_answer_tokens, batch_size=8,
                                  precision=resolve_precision(script_args.label_precision),
-                                 cache_dir=cache / "teacher-forced")
+                                 cache_dir=cache / "teacher-forced", feature_layer_ids=feature_layer_ids)
     answered = build_target_responses(target, tokenizer, prompts.select(answered_ids),
                                       max_new_tokens=script_args.max_new_tokens, label_top_k=32, precision=precision,
                                       **regenerate) if answered_ids else None
@@ -543,7 +563,13 @@ def training_data(target, tokenizer, prompts, script_args, seed: int, cache: Pat
                                          **{**regenerate, "chunk_size": 8})  # chunks of one batch: every process works
     if answered is not None:  # one table: the columns both builders write
         columns = ["id", "messages", "prompt_ids", "response_ids", "topk_ids", "topk_logprobs"]
+        if feature_layer_ids:
+            answered = compute_target_features(target, answered, feature_layer_ids, batch_size=8,
+                                               cache_dir=cache / "features")
+            columns.append(FEATURES_COLUMN)
         train = concatenate_datasets([train.select_columns(columns), answered.select_columns(columns)])
+        if feature_layer_ids:
+            train = train.with_format("numpy", columns=[FEATURES_COLUMN], output_all_columns=True)
     return train, calibration
 
 

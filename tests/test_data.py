@@ -513,6 +513,31 @@ def test_teacher_forced_labels_equal_one_unpadded_forward_per_sequence(target, t
     assert len(list(tmp_path.glob("teacher-forced-*/shard-*"))) == 2
 
 
+def test_teacher_forced_features_come_from_the_same_forward(target, tiny_tokenizer, tmp_path):
+    """feature_layer_ids: each row's hidden states equal those of an unpadded forward over its own prompt + answer
+    (brute force, output_hidden_states), and the labels equal those of a run without features."""
+    layer_ids = [0, 2, len(target.model.layers)]
+    plain = data.build_teacher_forced(target, tiny_tokenizer, _conversations(), max_response_tokens=6, top_k=4,
+                                      batch_size=3, cache_dir=tmp_path)
+    with_features = data.build_teacher_forced(target, tiny_tokenizer, _conversations(), max_response_tokens=6,
+                                              top_k=4, batch_size=3, cache_dir=tmp_path, feature_layer_ids=layer_ids)
+    assert len(list(tmp_path.glob("teacher-forced-*"))) == 2  # keyed apart: the labels-only cache keeps its name
+    assert with_features.remove_columns("target_features").to_list() == plain.to_list()
+    hidden = target.config.hidden_size
+    for row in with_features:
+        sequence = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+        with torch.no_grad():
+            states = target(sequence, output_hidden_states=True).hidden_states
+        expected = torch.cat([states[i][0] for i in layer_ids], dim=-1)
+        stored = torch.from_numpy(row["target_features"]).float()
+        assert stored.shape == (sequence.shape[1], len(layer_ids) * hidden)
+        assert torch.equal(stored, stored.half().float())  # kept as float16
+        torch.testing.assert_close(stored.float(), expected.half().float(), atol=2e-3, rtol=2e-3)
+    again = data.build_teacher_forced(target, tiny_tokenizer, _conversations(), max_response_tokens=6, top_k=4,
+                                      batch_size=3, cache_dir=tmp_path, feature_layer_ids=layer_ids)
+    assert all((a == b).all() for a, b in zip(again["target_features"], with_features["target_features"]))
+
+
 def test_teacher_forced_bf16_labels_stay_close_to_fp32(target, tiny_tokenizer):
     fp32 = data.build_teacher_forced(target, tiny_tokenizer, _conversations(), top_k=4, precision="fp32")
     bf16 = data.build_teacher_forced(target, tiny_tokenizer, _conversations(), top_k=4, precision="bf16")

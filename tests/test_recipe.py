@@ -384,3 +384,32 @@ def test_mixed_data_teacher_forces_the_long_prompts_and_regenerates_the_short(tm
         assert len(row["topk_ids"]) == len(row["response_ids"]) <= 5
         assert [ids[0] for ids in row["topk_ids"]] == row["response_ids"]
     assert all(len(r) <= 4 for r in calibration["response_ids"])
+
+
+def test_mixed_data_for_an_eagle3_head_carries_its_features(tmp_path):
+    """train_data: mixed with an EAGLE-3 head: the teacher-forced rows keep the target's hidden states from their
+    labelling forward (no second pass over them), the target's answers get theirs computed, and every row's features
+    equal an unpadded forward's over its own prompt + response (brute force)."""
+    from ppow_trl.data import load_prompts
+
+    target = make_tiny_llama(num_layers=2, seed=0)
+    tokenizer = make_tiny_tokenizer()
+    args = ["--train_data", "mixed", "--regenerated_fraction", "0.3", "--calibration_fraction", "0.2",
+            "--num_train_prompts", "10", "--max_answer_tokens", "6", "--max_new_tokens", "4",
+            "--calibration_max_new_tokens", "4", "--regeneration_batch_size", "4", "--regeneration_precision", "fp32",
+            "--label_precision", "fp32", "--drafter_type", "eagle3", "--eagle3_layer_ids", "0", "2", "--kd_steps", "1",
+            "--output_dir", str(tmp_path / "out"), "--reward_source", "target", "--report_to", "none"]
+    script, training, _ = ppow_llama.make_parser().parse_args_and_config(args=args)
+    layers = ppow_llama.planned_feature_layers(script, target)
+    assert layers == [0, 2]
+    prompts = load_prompts("sharegpt", num_samples=10, seed=0)
+    train, calibration = ppow_llama.training_data(target, tokenizer, prompts, script, 0, tmp_path / "cache",
+                                                  feature_layer_ids=layers)
+    assert len(train) > 2 and "target_features" not in calibration.column_names
+    assert list((tmp_path / "cache").glob("features/*"))  # the target's answers: their own pass
+    for row in train:
+        sequence = torch.tensor([list(row["prompt_ids"]) + list(row["response_ids"])])
+        with torch.no_grad():
+            states = target(sequence, output_hidden_states=True).hidden_states
+        expected = torch.cat([states[i][0] for i in layers], dim=-1).half().float()
+        torch.testing.assert_close(torch.as_tensor(row["target_features"]).float(), expected, atol=2e-3, rtol=2e-3)

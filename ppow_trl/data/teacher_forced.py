@@ -9,7 +9,9 @@ labels are the target's); what differs from regenerated data is the text it is c
 wrote. What each costs is measured by ``benchmarks/data_throughput.py``, what each buys by the main job's runs.
 
 The rows have the columns of ``build_target_responses`` + ``compute_target_topk`` (``prompt_ids``, ``response_ids``,
-``topk_ids``, ``topk_logprobs``), so ``KDTrainer`` and ``PPOWTrainer`` take them as they are. Results go through the
+``topk_ids``, ``topk_logprobs``), so ``KDTrainer`` and ``PPOWTrainer`` take them as they are. With
+``feature_layer_ids`` the same forward also keeps the hidden states a feature-conditioned drafter (EAGLE-3) trains on,
+the ``target_features`` column of ``compute_target_features``: no second pass over the sequences. Results go through the
 resumable sharded cache (``ppow_trl.data.cache``), split over the processes of a launch.
 """
 
@@ -20,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset, Features, Value
+from datasets import Array2D, Dataset, Features, Value
 
 from .cache import (DEFAULT_CHUNK_SIZE, build_sharded_dataset, check_disk, dataset_fingerprint, model_fingerprint,
                     tokenizer_fingerprint)
+from ..features import target_forward
+from .features import FEATURES_COLUMN
 from .responses import TOKEN_IDS_FEATURE, _eval_mode, encode_prompt, pad_sequences, stop_token_ids, topk_labels
 
 # The dtypes the target's forward may run its matmuls in while it labels (``autocast``); the log-softmax and top-k
@@ -44,10 +48,11 @@ def _autocast(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def _teacher_forced_batch(target, rows: list[dict[str, Any]], top_k: int, precision: str) -> list[dict[str, Any]]:
+def _teacher_forced_batch(target, rows: list[dict[str, Any]], top_k: int, precision: str,
+                          feature_layer_ids: list[int] | None = None) -> list[dict[str, Any]]:
     """One forward of the target over each row's ``prompt_ids + response_ids`` (right-padded): the top-k at
     the positions ``len(prompt) - 1 + t`` that predict ``response[t]`` (the only ones sent through the output
-    head, ``logits_to_keep``)."""
+    head, ``logits_to_keep``) and, with ``feature_layer_ids``, the float16 hidden states of every real position."""
     starts = [len(row["prompt_ids"]) - 1 for row in rows]
     stops = [start + len(row["response_ids"]) for start, row in zip(starts, rows)]
     first, last = min(starts), max(stops)
@@ -57,10 +62,16 @@ def _teacher_forced_batch(target, rows: list[dict[str, Any]], top_k: int, precis
     # No attention mask: with right padding a causal mask alone already keeps every real token from the pads (they
     # all come after it), and without a mask SDPA takes its fused causal kernel (a quarter of the forward's time
     # went to the masked path on a 2-core CPU). The pads' own outputs are never read.
-    with _eval_mode(target), _autocast(precision, device):
-        logits = target(input_ids=input_ids, logits_to_keep=torch.arange(first, last, device=device)).logits
+    with _eval_mode(target), _autocast(precision, device), torch.no_grad():
+        output, features = target_forward(target, feature_layer_ids, input_ids=input_ids,
+                                          logits_to_keep=torch.arange(first, last, device=device))
+    logits = output.logits
+    if features is not None:  # causal: a real position's states do not depend on the pads after it
+        features = features.to(torch.float16).cpu().numpy()
     for index, (row, start, stop) in enumerate(zip(rows, starts, stops)):
         row["topk_ids"], row["topk_logprobs"] = topk_labels(logits[index, start - first : stop - first], top_k)
+        if features is not None:
+            row[FEATURES_COLUMN] = features[index, : len(sequences[index])]
     return rows
 
 
@@ -76,6 +87,7 @@ def build_teacher_forced(
     precision: str = "fp32",
     cache_dir: str | Path | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    feature_layer_ids: list[int] | None = None,
 ) -> Dataset:
     """Label the answers of ``conversations`` with the target's top-k, teacher-forced, in one forward each.
 
@@ -93,10 +105,14 @@ def build_teacher_forced(
         precision: ``"fp32"`` or ``"bf16"`` (the target's matmuls under bf16 autocast: about twice as fast on CPUs
             with avx512_bf16 or AMX; the labels' log-softmax stays float32). Part of the cache key.
         cache_dir: root of the resumable cache (see `build_sharded_dataset`); None keeps everything in memory.
+        feature_layer_ids: indices of the target's ``output_hidden_states`` an EAGLE-3 head reads
+            (``Eagle3DrafterConfig.target_layer_ids``): their states at every position of ``prompt + answer``,
+            concatenated, float16, from the same forward (under ``precision``; the head serves on float32 states).
 
     Returns:
         The rows plus ``prompt_ids``, ``response_ids`` (int32 ids), ``topk_ids`` and ``topk_logprobs`` (one row of
-        ``top_k`` per response token), the columns ``KDTrainer`` reads.
+        ``top_k`` per response token), the columns ``KDTrainer`` reads; with ``feature_layer_ids``, also
+        ``target_features`` ``(len(prompt) + len(answer), len(feature_layer_ids) * hidden_size)``, read as numpy.
     """
     missing = {"messages", "answer"} - set(conversations.column_names)
     if missing:
@@ -110,7 +126,13 @@ def build_teacher_forced(
     # Before any forward: room for the labels (int32 id + float32 log-prob per top-k entry and response token; a
     # token is about 4 characters of English, and no answer keeps more than max_response_tokens).
     tokens = sum(min(len(answer) // 4 + 1, max_response_tokens) for answer in conversations["answer"])
-    check_disk(cache_dir, tokens * top_k * 8 * 2, "Teacher-forced labels")  # x2: Arrow's list offsets and slack
+    needed = tokens * top_k * 8 * 2  # x2: Arrow's list offsets and slack
+    width = len(feature_layer_ids) * target.config.get_text_config().hidden_size if feature_layer_ids else 0
+    if width:  # the features of the prompts too (the head attends over them), float16
+        prompt_tokens = sum(min(len(m[-1]["content"]) // 4 + 16, max_prompt_length or 10**9)
+                            for m in conversations["messages"])
+        needed += (tokens + prompt_tokens) * width * 2
+    check_disk(cache_dir, needed, "Teacher-forced labels" + (" and target features" if width else ""))
 
     def process_batch(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kept = []
@@ -122,7 +144,7 @@ def build_teacher_forced(
                 continue
             row["response_ids"] = answer_token_ids(tokenizer, row["answer"], end_id, max_response_tokens)
             kept.append(row)
-        return _teacher_forced_batch(target, kept, top_k, precision) if kept else []
+        return _teacher_forced_batch(target, kept, top_k, precision, feature_layer_ids) if kept else []
 
     settings = {
         "model": model_fingerprint(target),
@@ -135,12 +157,15 @@ def build_teacher_forced(
         "batch_size": batch_size,
         "chunk_size": chunk_size,
     }
-    features = Features({**conversations.features, "prompt_ids": TOKEN_IDS_FEATURE, "response_ids": TOKEN_IDS_FEATURE,
-                         "topk_ids": [[Value("int32")]], "topk_logprobs": [[Value("float32")]]})
-    return build_sharded_dataset(
+    columns = {**conversations.features, "prompt_ids": TOKEN_IDS_FEATURE, "response_ids": TOKEN_IDS_FEATURE,
+               "topk_ids": [[Value("int32")]], "topk_logprobs": [[Value("float32")]]}
+    if feature_layer_ids:  # keyed only when asked: caches of labels alone keep their names
+        settings["feature_layer_ids"] = [int(i) for i in feature_layer_ids]
+        columns[FEATURES_COLUMN] = Array2D(shape=(None, width), dtype="float16")
+    dataset = build_sharded_dataset(
         conversations,
         process_batch,
-        features=features,
+        features=Features(columns),
         kind="teacher-forced",
         settings=settings,
         cache_dir=cache_dir,
@@ -151,3 +176,6 @@ def build_teacher_forced(
         unit="token",
         count=lambda out: sum(len(row["response_ids"]) for row in out),
     )
+    if feature_layer_ids:
+        return dataset.with_format("numpy", columns=[FEATURES_COLUMN], output_all_columns=True)
+    return dataset
