@@ -59,8 +59,14 @@ HF_MAX_CACHE_LEN = 576  # not 512: transformers' compiled call and ours share dy
 CALIBRATION_PROMPTS = 16
 
 
+def folder_files(folder) -> list:
+    """``(name, size, mtime)`` of a drafter folder's files: a retrained drafter saved to the same path differs."""
+    return sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in Path(folder).iterdir() if f.is_file())
+
+
 def run_settings(args) -> dict:
-    """The settings a thread count's results are for: a rerun with the same ones skips it (``main``)."""
+    """The settings a thread count's results are for: a rerun with the same ones skips it (``main``). The drafters'
+    files are part of them: a drafter trained again into the same folder is served again."""
     from ppow_trl.core.windowing import SERVED_MIN_SPEEDUP  # the rules' margin: another one, other rules
 
     return {"mtbench": args.mtbench, "code": args.code, "max_new_tokens": args.max_new_tokens,
@@ -68,7 +74,8 @@ def run_settings(args) -> dict:
             "skip_hf_compiled": args.skip_hf_compiled, "skip_llama_cpp": args.skip_llama_cpp,
             "served_min_speedup": SERVED_MIN_SPEEDUP,
             **({"drafter_precision": args.drafter_precision} if args.drafter_precision != "own" else {}),
-            **({"eagle3": str(args.eagle3)} if args.eagle3 else {})}
+            **({"eagle3": str(args.eagle3)} if args.eagle3 else {}),
+            "drafter_files": folder_files(args.drafter), **({"eagle3_files": folder_files(args.eagle3)} if args.eagle3 else {})}
 
 
 def run_state_dir(args, threads: int) -> Path:
@@ -80,9 +87,7 @@ def run_state_dir(args, threads: int) -> Path:
 
     from ppow_trl.utils import cache_root
 
-    drafter = Path(args.drafter)
-    files = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in drafter.iterdir() if f.is_file())
-    key = json.dumps([run_settings(args), str(drafter.resolve()), files, torch.__version__], sort_keys=True)
+    key = json.dumps([run_settings(args), str(Path(args.drafter).resolve()), torch.__version__], sort_keys=True)
     return cache_root() / "bench" / "compiled_serving" / f"threads{threads}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 

@@ -93,6 +93,9 @@ def recipe_pool(config: Path, target, tokenizer, cache: Path):
 
     script_args, training_args, _ = ppow_llama.make_parser().parse_args_and_config(["--config", str(config)])
     ppow_llama.check_arguments(script_args, training_args)
+    if script_args.target_model != ppow_llama.OFFLINE_TARGET or script_args.drafter_type != "standalone":
+        raise SystemExit(f"--pool-config {config}: the curve trains truncated drafters of the offline SmolLM2; this "
+                         f"config names target {script_args.target_model!r}, drafter_type {script_args.drafter_type!r}.")
     prompts = load_prompts(script_args.train_prompts, num_samples=script_args.num_train_prompts,
                            seed=training_args.seed)
     train, calibration = ppow_llama.training_data(target, tokenizer, prompts, script_args, training_args.seed,
@@ -174,6 +177,8 @@ def main(argv=None) -> int:
             or args.block_prompts < 1):
         parser.error("--pool must be >= 8, --points increasing and positive, --epochs and --block-prompts positive.")
 
+    if args.pool_config and not args.pool_config.is_file():
+        parser.error(f"--pool-config {args.pool_config}: no such file.")
     # The main process evaluates each point alone (compiling the drafter, calibrating, timing: about 15 minutes)
     # while the others wait at a barrier: more than gloo's default 30-minute timeout must not kill the run.
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=3))
@@ -201,8 +206,6 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     recipe = None
     if args.pool_config:
-        if not args.pool_config.is_file():
-            parser.error(f"--pool-config {args.pool_config}: no such file.")
         pool, calibration, recipe = recipe_pool(args.pool_config, target, tokenizer, cache)
         size = len(pool)
     else:
@@ -267,7 +270,8 @@ def main(argv=None) -> int:
         results.update(pool_responses=len(lengths), pool_tokens=sum(lengths), pool_blocks=len(blocks))
         if sum(lengths) < tokens:  # the pool ran out: this point and the larger ones would train on the same data
             print(f"[data_scaling] The pool of {size} prompts holds {sum(lengths)} response tokens, fewer than the "
-                  f"{tokens} of this point: stopping here (a larger --pool reaches it).", flush=True)
+                  f"{tokens} of this point: stopping here (" + ("a recipe with more data reaches it)." if recipe is not None
+                                                             else "a larger --pool reaches it)."), flush=True)
             results["pool_exhausted_at"] = tokens
             if state.is_main_process:
                 out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,17 +284,24 @@ def main(argv=None) -> int:
         point_start = time.perf_counter()
         # the ids the target writes: its own tokens, or its top-1 along fixed answers (as the recipe builds it)
         written = [target_top1_ids(subset)] if recipe is not None else subset["response_ids"]
-        draft_vocab = build_draft_vocab(written, 8192, len(tokenizer), always_include=tokenizer.all_special_ids)
+        draft_vocab = build_draft_vocab(written, recipe.draft_vocab_size if recipe is not None else 8192, len(tokenizer),
+                                        always_include=tokenizer.all_special_ids)
         saved = work / f"kd-{tokens}" / "drafter"
-        trained_on = {"responses": count, "kd_steps": steps, "global_batch": global_batch, "epochs": args.epochs}
+        trained_on = {"responses": count, "kd_steps": steps, "global_batch": global_batch, "epochs": args.epochs,
+                      **({"pool_config": str(args.pool_config)} if args.pool_config else {})}
         reuse = (saved / "trained_on.json").is_file() and json.loads((saved / "trained_on.json").read_text()) == trained_on
         if reuse:  # every process sees the same folder: none trains
             kd_seconds = json.loads((saved / "kd_seconds.json").read_text())["kd_seconds"]
             drafter = load_drafter(saved, target=target).eval() if state.is_main_process else None
         else:
-            drafter = make_drafter(target, num_layers=2, draft_vocab_ids=draft_vocab).train()
+            layers = ({"num_layers": 2} if recipe is None else {"layer_ids": recipe.drafter_layer_ids} if
+                      recipe.drafter_layer_ids else {"num_layers": recipe.drafter_layers})
+            drafter = make_drafter(target, draft_vocab_ids=draft_vocab, **layers).train()
+            if recipe is not None:  # the target's embedding stays as it is, as the recipe's KD keeps it
+                drafter.get_input_embeddings().requires_grad_(False)
             as_recipe = {} if recipe is None else {  # KD as the recipe runs it
                 "warmup_steps": max(1, steps // 10), "train_sampling_strategy": "group_by_length",
+                "learning_rate": recipe.kd_learning_rate,
                 "bf16_autocast": resolve_precision(recipe.kd_precision) == "bf16", "max_length": 1024}
             kd_args = KDConfig(output_dir=str(work / f"kd-{tokens}"), max_steps=steps,
                                **{"per_device_train_batch_size": args.batch_size, "learning_rate": 5e-4,

@@ -3,7 +3,7 @@
 Reads the recipe's ``run_summary.json`` (training tokens, wall-clock), serves the recipe's ``merged/`` drafter with
 ``benchmarks/compiled_serving.py`` (compiled runtime, fp32, greedy, batch 1, one thread; 80 MT-bench and 40 code
 prompts; the rule calibrated on this machine's costs; prompt lookup and the hybrid of the drafter with prompt lookup
-beside it; resumable like that script) and writes, per prompt set, the served rule's speedup over compiled plain
+beside it; resumable like that script; a drafter trained again into the same folder is served again) and writes, per prompt set, the served rule's speedup over compiled plain
 decoding with its 95% interval, tau, lossless prompts, and the hybrid's figures:
 
     python benchmarks/long_recipe.py                                          # the 2-layer long recipe
@@ -44,7 +44,8 @@ def long_recipe_record(summary: dict, serving: dict, family: str, threads: int =
         arms = run["arms"]
         record[set_name] = arm_record(arms[f"compiled_speculative[{name}]"], meta.get("served_rules", {}).get(name),
                                       meta["rules"][name])
-        for other in ("hybrid", "prompt_lookup"):
+        # compiled_serving.py's hybrid pairs prompt lookup with its --drafter, the standalone one: not this head's
+        for other in ("hybrid", "prompt_lookup") if family != "eagle3" else ("prompt_lookup",):
             if f"compiled_speculative[{other}]" in arms:
                 record[set_name][f"with_{other}"] = arm_record(arms[f"compiled_speculative[{other}]"],
                                                                meta.get("served_rules", {}).get(other),
@@ -54,7 +55,8 @@ def long_recipe_record(summary: dict, serving: dict, family: str, threads: int =
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output_dir", type=Path, default=REPO / "outputs" / "ppow-smollm2-long")
+    parser.add_argument("--output_dir", type=Path, default=None,
+                        help="the recipe's output_dir (default: outputs/ppow-smollm2-long or -eagle3-long)")
     parser.add_argument("--family", choices=["standalone", "eagle3"], default="standalone")
     parser.add_argument("--drafter", type=Path, default=None,
                         help="with --family eagle3: the standalone drafter served beside it (compiled_serving.py "
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "long_recipe.json")
     args = parser.parse_args(argv)
+    if args.output_dir is None:
+        args.output_dir = REPO / "outputs" / ("ppow-smollm2-eagle3-long" if args.family == "eagle3" else "ppow-smollm2-long")
     summary_path = args.output_dir / "run_summary.json"
     merged = args.output_dir / "merged"
     if not summary_path.is_file() or not (merged / "config.json").is_file():

@@ -229,8 +229,16 @@ def truncate_model(model: PreTrainedModel, num_layers: int | None = None, *,
     kept = _kept_layers(len(layers), num_layers, layer_ids)
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = len(kept)
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [config.layer_types[i] for i in kept]
+    for name, value in vars(config).items():
+        # per-layer settings (`layer_types`, SmolLM3's `no_rope_layers`, ...) follow their layers
+        if isinstance(value, (list, tuple)) and len(value) == len(layers) and not name.startswith("_"):
+            setattr(config, name, type(value)(value[i] for i in kept))
+    if layer_ids is not None:
+        indexed = [name for name in LAYER_INDEX_FIELDS if getattr(config, name, None) not in (None, [], 0, 1)]
+        if indexed:
+            raise ValueError(f"{type(model.config).__name__} sets {indexed}, which name layers by their index: "
+                             "layer_ids would give the kept layers other layers' settings. Use num_layers (the "
+                             "first layers) for this model.")
     truncated = type(model)._from_config(config, dtype=model.dtype)
     layer_key = re.compile(rf"^{re.escape(layers_name)}\.(\d+)\.")
     position = {old: new for new, old in enumerate(kept)}  # the kept layers, renumbered 0..n-1
@@ -253,6 +261,12 @@ def truncate_model(model: PreTrainedModel, num_layers: int | None = None, *,
         ) from error
     truncated.generation_config = copy.deepcopy(model.generation_config)
     return truncated.to(model.get_input_embeddings().weight.device).eval()
+
+
+LAYER_INDEX_FIELDS = ("first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "moe_layer_freq",
+                      "global_attn_every_n_layers", "sliding_window_pattern")
+"""Config fields that describe layers by their index (not a per-layer list): a model setting one is truncated only to
+its first layers, whose indices do not change."""
 
 
 def _kept_layers(total: int, num_layers: int | None, layer_ids: Sequence[int] | None) -> list[int]:

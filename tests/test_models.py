@@ -98,6 +98,24 @@ def test_truncate_model_shortens_layer_types():
     assert truncated(_inputs()).logits.shape == (2, 7, 64)
 
 
+def test_truncate_model_carries_per_layer_settings_with_their_layers():
+    """SmolLM3's `no_rope_layers` (1 = RoPE, 0 = none): layers [0, 3] keep their own flags, so the kept NoPE layer
+    stays NoPE; a config naming layers by index refuses layer_ids."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
+
+    config = SmolLM3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           no_rope_layers=[1, 1, 1, 0], pad_token_id=0)
+    truncated = truncate_model(SmolLM3ForCausalLM(config).eval(), layer_ids=[0, 3])
+    assert truncated.config.no_rope_layers == [1, 0]
+    assert [layer.self_attn.use_rope for layer in truncated.model.layers] == [1, 0]
+    moe = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=2,
+                         num_experts_per_tok=1, decoder_sparse_step=2, pad_token_id=0)
+    with pytest.raises(ValueError, match="decoder_sparse_step"):
+        truncate_model(Qwen2MoeForCausalLM(moe).eval(), layer_ids=[0, 2])
+
+
 def test_truncated_model_save_reload(tiny_target, tmp_path):
     truncated = truncate_model(tiny_target, 2)
     truncated.save_pretrained(tmp_path)

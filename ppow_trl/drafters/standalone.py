@@ -133,6 +133,9 @@ class StandaloneFamily(DrafterFamily):
             raise ValueError(f"{sorted(options)} do not apply to standalone drafters.")
         if pretrained and layer_ids:
             raise ValueError("`layer_ids` truncates the target; a `pretrained` drafter is used as it is.")
+        if layer_ids and num_layers not in (None, 2, len(layer_ids)):  # 2: the default, left as it is
+            raise ValueError(f"num_layers = {num_layers} and layer_ids = {list(layer_ids)} disagree: give the layers "
+                             "by layer_ids alone (drafter_layer_ids in the recipe).")
         truncation = {} if pretrained else ({"layer_ids": layer_ids} if layer_ids else {"num_layers": num_layers})
         return make_drafter(target, pretrained=pretrained, draft_vocab_ids=draft_vocab_ids, target_tokenizer=tokenizer,
                             **truncation)

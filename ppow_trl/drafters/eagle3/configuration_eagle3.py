@@ -19,6 +19,17 @@ def default_target_layer_ids(num_target_layers: int) -> list[int]:
     return [2, num_target_layers // 2, num_target_layers - 3]
 
 
+def resolve_target_layer_ids(num_target_layers: int, target_layer_ids=None) -> list[int]:
+    """The hidden-state indices a head reads: ``target_layer_ids``, or the default (``default_target_layer_ids``)
+    when ``None``; each must index the target's ``output_hidden_states`` (``0..num_target_layers``)."""
+    layer_ids = (default_target_layer_ids(num_target_layers) if target_layer_ids is None
+                 else [int(i) for i in target_layer_ids])
+    if not layer_ids or any(not 0 <= i <= num_target_layers for i in layer_ids):
+        raise ValueError(f"target_layer_ids {layer_ids} must index the target's output_hidden_states "
+                         f"(0..{num_target_layers}).")
+    return layer_ids
+
+
 @strict
 class Eagle3DrafterConfig(LlamaConfig):
     r"""

@@ -38,7 +38,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from ...drafter import ReducedVocabHeadMixin, _as_sorted_unique_ids
-from .configuration_eagle3 import Eagle3DrafterConfig, default_target_layer_ids
+from .configuration_eagle3 import Eagle3DrafterConfig, default_target_layer_ids, resolve_target_layer_ids
 
 
 class ChainCache:
@@ -231,10 +231,7 @@ class Eagle3DrafterForCausalLM(ReducedVocabHeadMixin, PreTrainedModel, Generatio
         """
         text = target.config.get_text_config()
         target_layers = text.num_hidden_layers
-        layer_ids = default_target_layer_ids(target_layers) if target_layer_ids is None else list(target_layer_ids)
-        if any(not 0 <= i <= target_layers for i in layer_ids):
-            raise ValueError(f"target_layer_ids {layer_ids} must index the target's output_hidden_states "
-                             f"(0..{target_layers}).")
+        layer_ids = resolve_target_layer_ids(target_layers, target_layer_ids)
         head = target.get_output_embeddings().weight
         ids = torch.arange(head.shape[0]) if draft_vocab_ids is None else _as_sorted_unique_ids(draft_vocab_ids)
         if int(ids[-1]) >= head.shape[0]:
