@@ -37,6 +37,10 @@ def long_recipe_record(summary: dict, serving: dict, family: str, threads: int =
               "cpu": summary["cpu"], "config": summary["config"], "precision": "fp32", "runtime": "compiled",
               "threads": threads, "vs": "compiled_plain[fp32]", "serving_command": serving["command"],
               "cost_model": meta["cost_models"].get(name)}
+    config = summary.get("config", {})
+    record["setup"] = (f"The {family} drafter trained on {summary['train_tokens']:,} tokens "
+                       f"({config.get('train_data', '?')} data, {config.get('kd_steps', '?')} KD steps) in "
+                       f"{record['hours']} h of the recipe, then served against compiled plain decoding.")
     for set_name in ("mtbench", "code"):
         run = serving["runs"].get(f"threads{threads}/{set_name}")
         if run is None:
