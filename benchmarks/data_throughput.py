@@ -75,7 +75,8 @@ def first_difference(reference: list[list[int]], other: list[list[int]]) -> floa
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=64, help="ShareGPT train prompts regenerated (each route).")
+    # 128: two full batches of 64, one per process (with 64, the bf16 row's single batch left one process idle)
+    parser.add_argument("--prompts", type=int, default=128, help="ShareGPT train prompts regenerated (each route).")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="The main job's regenerated length.")
     parser.add_argument("--conversations", type=int, default=96, help="ShareGPT train conversations teacher-forced.")
     parser.add_argument("--max-response-tokens", type=int, default=256)
