@@ -589,6 +589,25 @@ def test_a_cache_the_disk_cannot_hold_is_refused_before_any_forward(target, tiny
     cache.check_disk(None, 10**15, "in memory")  # no cache: nothing to check
 
 
+def test_a_resumed_cache_needs_only_what_it_has_not_written(target, tiny_tokenizer, tmp_path, monkeypatch):
+    """check_disk with the cache's kind and settings subtracts the shards already there: the same build again (all of
+    it cached) starts on a disk with no room left, another build of the same size does not."""
+    import shutil
+    from collections import namedtuple
+
+    data.build_teacher_forced(target, tiny_tokenizer, _conversations(), top_k=4, cache_dir=tmp_path)
+    folder = next(tmp_path.glob("teacher-forced-*"))
+    written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12, cache.DISK_MARGIN_BYTES))
+    settings = json.loads((folder / "manifest.json").read_text())["settings"]
+    cache.check_disk(tmp_path, written, "labels", kind="teacher-forced", settings=settings)  # all there: fits
+    with pytest.raises(cache.NotEnoughDiskForCache):
+        cache.check_disk(tmp_path, written, "labels", kind="teacher-forced", settings={**settings, "top_k": 5})
+    again = data.build_teacher_forced(target, tiny_tokenizer, _conversations(), top_k=4, cache_dir=tmp_path)
+    assert len(again) == 7  # read back, not refused
+
+
 def test_target_top1_ids_are_the_first_label_of_every_position(target, tiny_tokenizer):
     labelled = data.build_teacher_forced(target, tiny_tokenizer, _conversations(), top_k=3)
     expected = [ids[0] for rows in labelled["topk_ids"] for ids in rows]

@@ -196,6 +196,15 @@ def _dataset_from_rows(rows: list[dict[str, Any]], features: Features) -> Datase
     return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features)
 
 
+def cache_folder(cache_dir: str | Path, kind: str, settings: dict[str, Any]) -> Path:
+    """Where the cache of ``kind`` built with ``settings`` lives (``open_cache_folder`` creates it)."""
+    return Path(cache_dir) / f"{kind}-{_sha256({'kind': kind, 'format': CACHE_FORMAT_VERSION, 'settings': settings})}"
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+
+
 def open_cache_folder(cache_dir: str | Path, kind: str, settings: dict[str, Any]) -> Path:
     """The cache folder `<cache_dir>/<kind>-<fingerprint of settings>`, created with its manifest if new.
 
@@ -203,7 +212,7 @@ def open_cache_folder(cache_dir: str | Path, kind: str, settings: dict[str, Any]
     but its `manifest.json` disagrees (a hash collision or a hand-edited cache) we raise rather than guess.
     """
     manifest = {"kind": kind, "format": CACHE_FORMAT_VERSION, "settings": settings}
-    folder = Path(cache_dir) / f"{kind}-{_sha256(manifest)}"
+    folder = cache_folder(cache_dir, kind, settings)
     manifest_path = folder / "manifest.json"
     if manifest_path.is_file():
         found = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -225,10 +234,16 @@ class NotEnoughDiskForCache(OSError):
     """A data cache would not fit on its disk: raised before any of its work starts."""
 
 
-def check_disk(cache_dir: str | Path | None, needed_bytes: int, what: str) -> None:
+def check_disk(cache_dir: str | Path | None, needed_bytes: int, what: str, kind: str | None = None,
+               settings: dict[str, Any] | None = None) -> None:
     """Refuse, before any work, a cache of about ``needed_bytes`` that the disk under ``cache_dir`` cannot hold (with
-    ``DISK_MARGIN_BYTES`` to spare); what is already cached there counts as written. A no-op without a cache."""
-    if cache_dir is None or needed_bytes <= 0:
+    ``DISK_MARGIN_BYTES`` to spare). Given the cache's ``kind`` and ``settings``, what that cache already holds (the
+    shards a killed run finished) counts as written: a resumed build needs only the rest. A no-op without a cache."""
+    if cache_dir is None:
+        return
+    if kind is not None and settings is not None:
+        needed_bytes -= _folder_bytes(cache_folder(cache_dir, kind, settings))
+    if needed_bytes <= 0:
         return
     folder = Path(cache_dir)
     existing = folder

@@ -60,9 +60,10 @@ def compute_target_features(
     size = feature_bytes(dataset, layer_ids, hidden)
     print(f"Target features: {size / 2**20:.0f} MiB (float16, {width} per token)"
           + (f" under {cache_dir}" if cache_dir else " in memory"), flush=True)
-    check_disk(cache_dir, size, "Target features")  # before any forward: a clear error, not a full disk mid-run
     settings = {"model": model_fingerprint(target), "inputs": dataset_fingerprint(dataset), "layer_ids": list(layer_ids),
                 "batch_size": batch_size, "chunk_size": chunk_size}
+    # before any forward: a clear error, not a full disk mid-run (the shards a killed run finished count as written)
+    check_disk(cache_dir, size, "Target features", kind="features", settings=settings)
     columns = build_sharded_dataset(
         dataset,
         lambda rows: _features_batch(target, rows, layer_ids),

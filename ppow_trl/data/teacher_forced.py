@@ -132,7 +132,6 @@ def build_teacher_forced(
         prompt_tokens = sum(min(len(m[-1]["content"]) // 4 + 16, max_prompt_length or 10**9)
                             for m in conversations["messages"])
         needed += (tokens + prompt_tokens) * width * 2
-    check_disk(cache_dir, needed, "Teacher-forced labels" + (" and target features" if width else ""))
 
     def process_batch(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kept = []
@@ -162,6 +161,8 @@ def build_teacher_forced(
     if feature_layer_ids:  # keyed only when asked: caches of labels alone keep their names
         settings["feature_layer_ids"] = [int(i) for i in feature_layer_ids]
         columns[FEATURES_COLUMN] = Array2D(shape=(None, width), dtype="float16")
+    check_disk(cache_dir, needed, "Teacher-forced labels" + (" and target features" if width else ""),
+               kind="teacher-forced", settings=settings)  # before any forward; finished shards count as written
     dataset = build_sharded_dataset(
         conversations,
         process_batch,
