@@ -230,3 +230,25 @@ def test_long_recipe_record_reads_a_real_serving_result():
         serving["runs"]["threads1/mtbench"]["arms"]["compiled_speculative[ppow]"]["speedup_vs_reference"])
     assert standalone["code"]["with_hybrid"]["speedup"] == (
         serving["runs"]["threads1/code"]["arms"]["compiled_speculative[hybrid]"]["speedup_vs_reference"])
+
+
+def test_data_routes_spend_a_budget_slice_by_slice():
+    """benchmarks/data_routes.py: slices are built until the budget is spent (the last one that starts finishes);
+    slices an earlier run built count at their recorded cost, not at the speed of reading them back."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "data_routes", Path(__file__).resolve().parents[1] / "benchmarks" / "data_routes.py")
+    routes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(routes)
+    built = []
+
+    def build(i):
+        built.append(i)
+        return f"slice{i}", 0.01 if i < 2 else 40.0  # 0 and 1 read back from a cache, the others built
+
+    recorded = [40.0, 40.0]
+    parts, seconds = routes.spend(100.0, 10, build, recorded)
+    assert parts == ["slice0", "slice1", "slice2"] and seconds == [40.0, 40.0, 40.0] and recorded == seconds
+    assert routes.spend(100.0, 2, build, [])[1] == [0.01, 0.01]  # the slices ran out first
