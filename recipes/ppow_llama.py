@@ -113,7 +113,7 @@ class PPOWScriptArguments:
             `teacher_forced` / `mixed`: the tokens kept of each dataset answer.
         regeneration_batch_size (`int`, *optional*, defaults to `8`):
             Prompts the target answers at once, length-sorted. On a 2-core CPU, batch 32 with labels from the same
-            pass labelled 1.45x the tokens per second of batch 8 followed by a separate top-k pass
+            pass labelled 2.27x the tokens per second of batch 8 followed by a separate top-k pass
             (`benchmarks/results/data_throughput.json`; the two gains together).
         label_precision (`str`, *optional*, defaults to `"auto"`):
             `teacher_forced` labelling under bf16 autocast (`bf16`), in fp32 (`fp32`), or bf16 where the CPU has
