@@ -160,6 +160,11 @@ class DrafterFamily:
         """The target ``output_hidden_states`` indices the drafter reads; ``None`` when it reads none."""
         return None
 
+    def planned_layer_ids(self, target, **build_options) -> list[int] | None:
+        """The indices a drafter ``build(target, **build_options)`` would read, known before it is built (so that the
+        data's labelling forward can keep those states); ``None`` when it reads none or cannot say."""
+        return None
+
     def check_target(self, drafter, target) -> None:
         """Refuse a target other than the one the drafter reads, saying what differs."""
 

@@ -38,7 +38,6 @@ from ppow_trl.serving.calibration import held_out_contexts
 from ppow_trl.data import (build_target_responses, build_teacher_forced, compute_target_features, encode_prompt,
                            load_prompts, load_sharegpt_conversations, stop_token_ids, target_top1_ids)
 from ppow_trl.data.features import FEATURES_COLUMN
-from ppow_trl.drafters.eagle3 import resolve_target_layer_ids
 from ppow_trl.drafting import get_family
 from ppow_trl.drafters.hybrid import hybrid_drafter
 from ppow_trl.models import OFFLINE_TARGET, build_draft_vocab, draft_vocab_coverage, load_target
@@ -498,14 +497,15 @@ def main(script_args: PPOWScriptArguments, training_args: PPOWConfig, model_args
 
 
 def planned_feature_layers(script_args, target) -> list[int] | None:
-    """The target hidden states a fresh EAGLE-3 head will read (``eagle3_layer_ids`` or the family's default), known
-    before the head is built, so that the teacher-forced labelling keeps them in its own forward; None for other
-    families and for a head loaded from a checkpoint (its layers are read from it, the features computed after)."""
-    if script_args.drafter_type != "eagle3" or script_args.eagle3_checkpoint:
+    """The target hidden states a fresh drafter of the chosen family will read (an EAGLE-3 head's
+    ``eagle3_layer_ids`` or its default: ``DrafterFamily.planned_layer_ids``), known before it is built, so that the
+    teacher-forced labelling keeps them in its own forward; None for families that read none or cannot say, and for a
+    drafter loaded from a checkpoint (its layers are read from it, the features computed after)."""
+    if script_args.family_checkpoint()[0] is not None:
         return None
-    layers = target.config.get_text_config().num_hidden_layers
-    return _named("eagle3_layer_ids", script_args.eagle3_layer_ids,
-                  lambda: resolve_target_layer_ids(layers, script_args.eagle3_layer_ids))
+    family = get_family(script_args.drafter_type)
+    return _named(*script_args.family_source(),
+                  lambda: family.planned_layer_ids(target, **script_args.family_options()))
 
 
 def training_data(target, tokenizer, prompts, script_args, seed: int, cache: Path,
@@ -604,9 +604,7 @@ def run_summary(script_args, training_args, train_data, policy, served: dict, se
     summary = {
         "cpu": cpu_summary(),
         "minutes": round((time.time() - started) / 60, 2),
-        "config": {"drafter_type": script_args.drafter_type,
-                   **({"drafter_layers": script_args.drafter_layers, "drafter_layer_ids": script_args.drafter_layer_ids}
-                      if script_args.drafter_type == "standalone" and not script_args.drafter_model else {}),
+        "config": {"drafter_type": script_args.drafter_type, "drafter_options": script_args.family_options(),
                    "train_data": script_args.train_data, "num_train_prompts": script_args.num_train_prompts,
                    "max_new_tokens": script_args.max_new_tokens, "max_answer_tokens": script_args.max_answer_tokens,
                    "regenerated_fraction": script_args.regenerated_fraction if script_args.train_data == "mixed" else None, "kd_steps": script_args.kd_steps,

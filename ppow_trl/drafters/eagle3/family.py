@@ -10,7 +10,7 @@ from ...drafting import HUB_KWARGS, DrafterFamily
 from ...features import target_features
 from ...utils import unwrap_model
 from .assisted import attach_to_target
-from .configuration_eagle3 import Eagle3DrafterConfig
+from .configuration_eagle3 import Eagle3DrafterConfig, resolve_target_layer_ids
 from .convert import export_eagle3, import_eagle3, layout_of_config
 from .modeling_eagle3 import Eagle3DrafterForCausalLM
 from .session import ChainSession, context_pairs
@@ -48,6 +48,9 @@ class Eagle3Family(DrafterFamily):
         return Eagle3DrafterForCausalLM.from_target(target, draft_vocab_ids=draft_vocab_ids,
                                                     target_layer_ids=target_layer_ids, num_hidden_layers=num_layers,
                                                     target_name_or_path=target_name_or_path, seed=seed)
+
+    def planned_layer_ids(self, target, *, target_layer_ids: list[int] | None = None, **build_options) -> list[int]:
+        return resolve_target_layer_ids(target.config.get_text_config().num_hidden_layers, target_layer_ids)
 
     def load(self, folder_or_repo, *, target=None, **from_pretrained_kwargs):
         hub_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in HUB_KWARGS}
