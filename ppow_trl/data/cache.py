@@ -196,9 +196,13 @@ def _dataset_from_rows(rows: list[dict[str, Any]], features: Features) -> Datase
     return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features)
 
 
+def _manifest(kind: str, settings: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": kind, "format": CACHE_FORMAT_VERSION, "settings": settings}
+
+
 def cache_folder(cache_dir: str | Path, kind: str, settings: dict[str, Any]) -> Path:
     """Where the cache of ``kind`` built with ``settings`` lives (``open_cache_folder`` creates it)."""
-    return Path(cache_dir) / f"{kind}-{_sha256({'kind': kind, 'format': CACHE_FORMAT_VERSION, 'settings': settings})}"
+    return Path(cache_dir) / f"{kind}-{_sha256(_manifest(kind, settings))}"
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -211,7 +215,7 @@ def open_cache_folder(cache_dir: str | Path, kind: str, settings: dict[str, Any]
     Other settings give another folder, so a cache is never reused for other inputs. If the folder exists
     but its `manifest.json` disagrees (a hash collision or a hand-edited cache) we raise rather than guess.
     """
-    manifest = {"kind": kind, "format": CACHE_FORMAT_VERSION, "settings": settings}
+    manifest = _manifest(kind, settings)
     folder = cache_folder(cache_dir, kind, settings)
     manifest_path = folder / "manifest.json"
     if manifest_path.is_file():
